@@ -1,0 +1,16 @@
+-- The publication outbox-relay streams: the outbox table, inserts only (updates such as
+-- published_at marking, deletes from cleanup and truncates are never decoded into tasks).
+-- Idempotent: an existing publication of that name is left alone.
+-- +goose Up
+-- +goose StatementBegin
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = 'outbox_relay') THEN
+        CREATE PUBLICATION outbox_relay FOR TABLE outbox_events WITH (publish = 'insert');
+    END IF;
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose Down
+DROP PUBLICATION IF EXISTS outbox_relay;

@@ -1,0 +1,135 @@
+# shellcheck shell=bash
+# scripts/lib.sh — helpers shared by the server start/stop scripts.
+#
+# Usage (from another script):
+#   . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+#
+# Provides:
+#   log MSG...            print "[script] MSG" on stderr
+#   die MSG...            log MSG and exit 1
+#   free_port             print a TCP port that is free on 127.0.0.1 right now
+#   port_is_free PORT     succeed if PORT can be bound on 127.0.0.1
+#   as_pg_user CMD...     run CMD as the `postgres` user when we are root,
+#                         directly otherwise (runs from `/`: pass absolute paths)
+#   pg_bindir             print the PostgreSQL server bin dir (initdb, pg_ctl...)
+#   abs_path PATH         print PATH made absolute (need not exist)
+#   tail_log FILE [N]     print the last N (default 40) lines of FILE on stderr
+#
+# Nothing here touches the system Postgres (5432) or Redis (6379).
+
+log() {
+    printf '[%s] %s\n' "$(basename "$0")" "$*" >&2
+}
+
+die() {
+    log "error: $*"
+    exit 1
+}
+
+tail_log() {
+    local file=$1 n=${2:-40}
+    if [[ -r $file ]]; then
+        printf -- '----- last %s lines of %s -----\n' "$n" "$file" >&2
+        tail -n "$n" "$file" >&2 || true
+        printf -- '-----\n' >&2
+    fi
+}
+
+# Ask the kernel for an ephemeral port on 127.0.0.1. There is an unavoidable
+# race between closing the probe socket and the server binding the port;
+# callers retry with a fresh port when the server reports "address in use".
+free_port() {
+    if command -v python3 >/dev/null 2>&1; then
+        python3 -c 'import socket
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])
+s.close()'
+        return
+    fi
+    # Fallback: probe random high ports until nothing answers on one.
+    local port
+    for _ in $(seq 1 200); do
+        port=$((20000 + (RANDOM * 32768 + RANDOM) % 40000))
+        if port_is_free "$port"; then
+            echo "$port"
+            return 0
+        fi
+    done
+    die "could not find a free port on 127.0.0.1"
+}
+
+# Succeed if nothing listens on 127.0.0.1:PORT (and, with python3, the port
+# can actually be bound).
+port_is_free() {
+    local port=$1
+    if command -v python3 >/dev/null 2>&1; then
+        python3 - "$port" <<'PY' 2>/dev/null
+import socket, sys
+s = socket.socket()
+# Servers (postgres, redis) set SO_REUSEADDR, so TIME_WAIT leftovers from a
+# previous run on this port must not count as "in use"; a listener still does.
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)
+finally:
+    s.close()
+PY
+        return
+    fi
+    # Nothing answering a connect => treat as free.
+    ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null
+}
+
+as_pg_user() {
+    if [[ $(id -u) -eq 0 ]]; then
+        # runuser keeps the caller's environment; start from / because the
+        # caller's cwd (e.g. /root) is usually not readable by postgres.
+        (cd / && exec runuser -u postgres -- "$@")
+    else
+        "$@"
+    fi
+}
+
+pg_bindir() {
+    local dir
+    if command -v pg_config >/dev/null 2>&1; then
+        dir=$(pg_config --bindir 2>/dev/null || true)
+        if [[ -n $dir && -x $dir/pg_ctl ]]; then
+            echo "$dir"
+            return 0
+        fi
+    fi
+    # Debian without pg_config (libpq-dev): newest /usr/lib/postgresql/N/bin.
+    dir=$(find /usr/lib/postgresql -mindepth 3 -maxdepth 3 -path '*/bin/pg_ctl' 2>/dev/null |
+        sort -V | tail -n 1)
+    if [[ -n $dir ]]; then
+        dirname "$dir"
+        return 0
+    fi
+    if command -v pg_ctl >/dev/null 2>&1; then
+        dirname "$(command -v pg_ctl)"
+        return 0
+    fi
+    die "no PostgreSQL server binaries found (pg_config/pg_ctl); install postgresql"
+}
+
+abs_path() {
+    local p=$1
+    [[ $p == /* ]] || p="$PWD/$p"
+    # Normalise without requiring existence.
+    realpath -m -- "$p"
+}
+
+# Refuse obviously dangerous targets for rm -rf.
+assert_removable_dir() {
+    local d=$1
+    case "$d" in
+    "" | / | /tmp | /var | /usr | /etc | /root | /home | /work | "$HOME")
+        die "refusing to remove '$d'"
+        ;;
+    esac
+    [[ $d == /?*/?* ]] || die "refusing to remove '$d' (too close to /)"
+}

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# scripts/redis-start.sh — start a throwaway Redis server for tests/demos.
+#
+# Usage:
+#   scripts/redis-start.sh DIR [PORT]
+#
+#   DIR   directory for the server (created if missing): redis.pid,
+#         redis.log, `port` and `url` live there.
+#   PORT  TCP port on 127.0.0.1; default: the port recorded in DIR/port when
+#         restarting, else a free port from the kernel.
+#
+# Starts `redis-server` daemonized on 127.0.0.1 with no persistence
+# (--save "" --appendonly no), waits up to ~10 s for PING to answer PONG and
+# prints `redis://127.0.0.1:PORT` as the only stdout line (also written to
+# DIR/url); everything else goes to stderr. If a server started in DIR is
+# still running it just prints its URL. Stop it with scripts/redis-stop.sh DIR.
+set -euo pipefail
+
+# shellcheck source=scripts/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+usage() {
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}" >&2
+    exit 2
+}
+
+[[ $# -ge 1 && $# -le 2 ]] || usage
+[[ $1 != -h && $1 != --help ]] || usage
+DIR=$(abs_path "$1")
+PORT=${2:-}
+if [[ -n $PORT ]] && { ! [[ $PORT =~ ^[0-9]+$ ]] || ((PORT < 1 || PORT > 65535)); }; then
+    die "bad PORT '$PORT'"
+fi
+
+command -v redis-server >/dev/null 2>&1 || die "redis-server not found (apt-get install redis-server)"
+command -v redis-cli >/dev/null 2>&1 || die "redis-cli not found (apt-get install redis-tools)"
+
+PIDFILE=$DIR/redis.pid
+LOGFILE=$DIR/redis.log
+
+ping() {
+    [[ $(redis-cli -h 127.0.0.1 -p "$1" ping 2>/dev/null) == PONG ]]
+}
+
+# Is the redis-server whose pid is in PIDFILE alive (and not a zombie)?
+pid_alive() {
+    local pid
+    pid=$(cat "$PIDFILE" 2>/dev/null || true)
+    [[ $pid =~ ^[0-9]+$ ]] || return 1
+    [[ -r /proc/$pid/stat ]] || return 1
+    [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) != Z ]]
+}
+
+# ---- already running? -------------------------------------------------------
+if [[ -s $DIR/port && -s $DIR/url ]] && pid_alive && ping "$(cat "$DIR/port")"; then
+    log "already running: $(cat "$DIR/url")"
+    cat "$DIR/url"
+    exit 0
+fi
+
+mkdir -p "$DIR"
+
+AUTO_PORT=0
+if [[ -z $PORT ]]; then
+    if [[ -s $DIR/port ]]; then
+        PORT=$(cat "$DIR/port")
+    else
+        PORT=$(free_port)
+        AUTO_PORT=1
+    fi
+fi
+
+attempt=1
+while :; do
+    if ! port_is_free "$PORT"; then
+        if ((AUTO_PORT && attempt < 5)); then
+            PORT=$(free_port)
+            attempt=$((attempt + 1))
+            continue
+        fi
+        die "port $PORT on 127.0.0.1 is already in use"
+    fi
+    rm -f "$PIDFILE"
+    log_lines=0
+    [[ -f $LOGFILE ]] && log_lines=$(wc -l <"$LOGFILE")
+    log "starting redis-server on 127.0.0.1:$PORT (dir $DIR, log $LOGFILE)"
+    redis-server --daemonize yes --bind 127.0.0.1 --port "$PORT" \
+        --save "" --appendonly no --dir "$DIR" \
+        --pidfile "$PIDFILE" --logfile "$LOGFILE" >&2 ||
+        die "redis-server failed to launch"
+
+    ok=0
+    for _ in $(seq 1 100); do # ~10 s
+        if ping "$PORT"; then
+            ok=1
+            break
+        fi
+        # The daemon exits soon after forking if it cannot bind etc.
+        if grep -q 'Address already in use\|# Failed\|# Fatal' \
+            <(tail -n "+$((log_lines + 1))" "$LOGFILE" 2>/dev/null); then
+            break
+        fi
+        sleep 0.1
+    done
+    ((ok)) && break
+
+    if ((AUTO_PORT && attempt < 5)) &&
+        tail -n "+$((log_lines + 1))" "$LOGFILE" 2>/dev/null | grep -q 'Address already in use'; then
+        log "port $PORT was taken meanwhile; retrying with another"
+        PORT=$(free_port)
+        attempt=$((attempt + 1))
+        continue
+    fi
+    # Do not leave a half-started server behind.
+    if pid_alive; then
+        kill -TERM "$(cat "$PIDFILE")" 2>/dev/null || true
+    fi
+    tail_log "$LOGFILE"
+    die "redis-server on port $PORT did not answer PING within 10 s"
+done
+
+URL="redis://127.0.0.1:$PORT"
+echo "$PORT" >"$DIR/port"
+echo "$URL" >"$DIR/url"
+echo "$URL"

@@ -1,0 +1,383 @@
+//! Command line and `OUTBOX_*` environment configuration, validated before anything connects.
+//!
+//! Every setting is a flag with an environment variable (the Go kit's `OUTBOX_` prefix). Values
+//! that parse but make no sense (zero sizes, zero timeouts) are refused here with a message that
+//! names the setting.
+
+use crate::pgoutput::TableName;
+use crate::task::{PayloadFormat, QueueRoute, TaskSettings};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// outbox-relay: delivers transactional-outbox rows from PostgreSQL to Valkey as asynq tasks.
+#[derive(Debug, Parser)]
+#[command(name = "outbox-relay", version, about, long_about = None)]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Stream outbox inserts into Valkey as asynq tasks (the relay's main job).
+    Run(Box<RunArgs>),
+    /// Create the outbox table (the Go kit's schema) and the publication; safe to run again.
+    Migrate(MigrateArgs),
+}
+
+/// Where the outbox lives.
+#[derive(Debug, Clone, Args)]
+pub struct DatabaseArgs {
+    /// PostgreSQL URL (postgres://user:password@host:port/dbname).
+    #[arg(long, env = "OUTBOX_DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// The outbox table, `table` or `schema.table`.
+    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox_events", value_parser = parse_table)]
+    pub table: TableName,
+    /// The publication the slot streams (created when missing; inserts only).
+    #[arg(long, env = "OUTBOX_PUBLICATION", default_value = "outbox_relay", value_parser = parse_identifier)]
+    pub publication: String,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    pub db: DatabaseArgs,
+}
+
+/// Valkey connection: `OUTBOX_VALKEY_URL`, or the Go kit's `VALKEY_*` settings.
+#[derive(Debug, Clone, Args)]
+pub struct ValkeyArgs {
+    /// Valkey/Redis URL (redis://[user:password@]host:port/db). When unset, VALKEY_ADDR,
+    /// VALKEY_PASSWORD and VALKEY_DB are used, as the Go kit does.
+    #[arg(long, env = "OUTBOX_VALKEY_URL", hide_env_values = true)]
+    pub valkey_url: Option<String>,
+    /// host:port, used when OUTBOX_VALKEY_URL is unset.
+    #[arg(long, env = "VALKEY_ADDR", default_value = "localhost:6379")]
+    pub valkey_addr: String,
+    /// Password, used when OUTBOX_VALKEY_URL is unset.
+    #[arg(long, env = "VALKEY_PASSWORD", hide_env_values = true)]
+    pub valkey_password: Option<String>,
+    /// Database number, used when OUTBOX_VALKEY_URL is unset.
+    #[arg(long, env = "VALKEY_DB", default_value_t = 0)]
+    pub valkey_db: u32,
+    /// How long one Valkey command may take before it counts as failed.
+    #[arg(long, env = "OUTBOX_VALKEY_TIMEOUT", default_value = "5s", value_parser = parse_positive_duration)]
+    pub valkey_timeout: Duration,
+}
+
+impl ValkeyArgs {
+    /// The URL to connect to (may contain a password: never log it).
+    pub fn url(&self) -> String {
+        if let Some(url) = &self.valkey_url {
+            return url.clone();
+        }
+        let auth = match &self.valkey_password {
+            Some(p) if !p.is_empty() => format!(":{}@", percent_encode(p)),
+            _ => String::new(),
+        };
+        format!("redis://{auth}{}/{}", self.valkey_addr, self.valkey_db)
+    }
+
+    /// The validated client (no connection yet).
+    pub fn client(&self) -> Result<redis::Client, ConfigError> {
+        let setting = if self.valkey_url.is_some() {
+            "OUTBOX_VALKEY_URL"
+        } else {
+            "VALKEY_ADDR/VALKEY_PASSWORD/VALKEY_DB"
+        };
+        redis::Client::open(self.url()).map_err(|e| ConfigError::Invalid {
+            setting,
+            reason: e.to_string(),
+        })
+    }
+
+    /// Where Valkey is, without credentials, for messages.
+    pub fn display(&self) -> String {
+        match &self.valkey_url {
+            Some(url) => redact_url(url),
+            None => self.valkey_addr.clone(),
+        }
+    }
+}
+
+/// Settings of `outbox-relay run`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub db: DatabaseArgs,
+    #[command(flatten)]
+    pub valkey: ValkeyArgs,
+    /// The logical replication slot (pgoutput; created when missing).
+    #[arg(long, env = "OUTBOX_SLOT", default_value = "outbox_relay", value_parser = parse_identifier)]
+    pub slot: String,
+    /// The asynq queue tasks go to unless a route matches.
+    #[arg(long, env = "OUTBOX_QUEUE", default_value = "default", value_parser = parse_nonempty)]
+    pub queue: String,
+    /// Routes event names to queues: `order.placed=critical,user.*=low` (first match wins).
+    #[arg(long, env = "OUTBOX_QUEUE_ROUTES", value_delimiter = ',', value_parser = QueueRoute::parse)]
+    pub queue_routes: Vec<QueueRoute>,
+    /// asynq MaxRetry of each task (n means n+1 attempts).
+    #[arg(long, env = "OUTBOX_TASK_MAX_RETRY", default_value_t = 25, value_parser = clap::value_parser!(i32).range(0..))]
+    pub task_max_retry: i32,
+    /// asynq task timeout.
+    #[arg(long, env = "OUTBOX_TASK_TIMEOUT", default_value = "30m", value_parser = parse_positive_duration)]
+    pub task_timeout: Duration,
+    /// How long asynq keeps a completed task, and so how long a replayed TaskID is deduplicated.
+    /// Must exceed the longest window in which the relay can re-send an event.
+    #[arg(long, env = "OUTBOX_TASK_RETENTION", default_value = "24h", value_parser = parse_duration)]
+    pub task_retention: Duration,
+    /// Task type prefix: the type is this plus the event name.
+    #[arg(long, env = "OUTBOX_TASK_TYPE_PREFIX", default_value = "event:")]
+    pub task_type_prefix: String,
+    /// Task payload: the Go kit's Envelope JSON, or the row's payload alone.
+    #[arg(long, env = "OUTBOX_PAYLOAD_FORMAT", value_enum, default_value_t = PayloadFormat::Envelope)]
+    pub payload_format: PayloadFormat,
+    /// Rows per Valkey round trip (and per poll).
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500, value_parser = parse_positive_usize)]
+    pub batch_size: usize,
+    /// Batches written to Valkey but not yet confirmed, at most. Bounds memory with batch size.
+    #[arg(long, env = "OUTBOX_MAX_INFLIGHT_BATCHES", default_value_t = 4, value_parser = parse_positive_usize)]
+    pub max_inflight_batches: usize,
+    /// Rows with a larger payload (bytes; KiB/MiB suffixes accepted) are not delivered.
+    #[arg(long, env = "OUTBOX_MAX_PAYLOAD_BYTES", default_value = "1MiB", value_parser = parse_size)]
+    pub max_payload_bytes: usize,
+    /// On SIGINT/SIGTERM, how long in-flight writes may take before they are abandoned.
+    #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
+    pub shutdown_timeout: Duration,
+}
+
+impl RunArgs {
+    /// The task settings this configuration describes.
+    pub fn task_settings(&self) -> TaskSettings {
+        TaskSettings {
+            type_prefix: self.task_type_prefix.clone(),
+            payload_format: self.payload_format,
+            default_queue: Arc::from(self.queue.as_str()),
+            routes: self.queue_routes.clone(),
+            max_retry: self.task_max_retry,
+            timeout_secs: i64::try_from(self.task_timeout.as_secs())
+                .unwrap_or(i64::MAX)
+                .max(1),
+            retention_secs: i64::try_from(self.task_retention.as_secs()).unwrap_or(i64::MAX),
+            max_payload_bytes: self.max_payload_bytes,
+        }
+    }
+}
+
+/// A setting that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("invalid {setting}: {reason}")]
+    Invalid {
+        setting: &'static str,
+        reason: String,
+    },
+}
+
+/// Parses `500ms`, `30s`, `5m`, `24h`, `7d` (and combinations such as `1h30m`).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Err("empty duration (use e.g. 500ms, 30s, 5m, 24h, 7d)".into());
+    }
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        if digits == 0 {
+            return Err(format!(
+                "{s:?} is not a duration (use e.g. 500ms, 30s, 5m, 24h, 7d)"
+            ));
+        }
+        let n: u64 = rest[..digits]
+            .parse()
+            .map_err(|_| format!("{s:?}: number too large"))?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let unit = match &rest[..unit_len] {
+            "ms" => Duration::from_millis(n),
+            "s" => Duration::from_secs(n),
+            "m" => Duration::from_secs(n.saturating_mul(60)),
+            "h" => Duration::from_secs(n.saturating_mul(3600)),
+            "d" => Duration::from_secs(n.saturating_mul(86_400)),
+            "" => return Err(format!("{s:?} needs a unit (ms, s, m, h, d)")),
+            u => return Err(format!("{s:?} has unknown unit {u:?} (use ms, s, m, h, d)")),
+        };
+        total = total.saturating_add(unit);
+        rest = &rest[unit_len..];
+    }
+    Ok(total)
+}
+
+fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d.is_zero() {
+        return Err("must be greater than zero".into());
+    }
+    Ok(d)
+}
+
+fn parse_positive_usize(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<i64>() {
+        Ok(n) if n > 0 => usize::try_from(n).map_err(|_| "too large".to_string()),
+        Ok(_) => Err("must be greater than zero".into()),
+        Err(_) => Err(format!("{s:?} is not a whole number")),
+    }
+}
+
+/// Bytes, with optional `KiB`/`MiB`/`GiB` (or `KB`/`MB`/`GB`, same meaning) suffix.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let n: usize = t[..split]
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (use e.g. 65536, 512KiB, 1MiB)"))?;
+    let mult = match t[split..].trim() {
+        "" | "B" => 1,
+        "KiB" | "KB" | "k" | "K" => 1 << 10,
+        "MiB" | "MB" | "M" => 1 << 20,
+        "GiB" | "GB" | "G" => 1 << 30,
+        u => return Err(format!("{s:?} has unknown unit {u:?} (use KiB, MiB, GiB)")),
+    };
+    let v = n
+        .checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))?;
+    if v == 0 {
+        return Err("must be greater than zero".into());
+    }
+    Ok(v)
+}
+
+fn parse_table(s: &str) -> Result<TableName, String> {
+    TableName::parse(s).ok_or_else(|| {
+        format!("{s:?} is not a plain lowercase table name (`table` or `schema.table`)")
+    })
+}
+
+fn parse_identifier(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.len() <= 63
+        && s.chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if ok {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?} must be a lowercase identifier ([a-z_][a-z0-9_]*, at most 63 characters)"
+        ))
+    }
+}
+
+fn parse_nonempty(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        Err("must not be empty".into())
+    } else {
+        Ok(s.to_owned())
+    }
+}
+
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A URL with its password replaced by `***`, for messages.
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            u.to_string()
+        }
+        Err(_) => "<unparseable url>".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("24h").unwrap(), Duration::from_secs(86_400));
+        assert_eq!(
+            parse_duration("7d").unwrap(),
+            Duration::from_secs(7 * 86_400)
+        );
+        assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
+        assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
+        for bad in ["", "5", "s", "5x", "-5s", "1.5s", "5 s"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        assert!(parse_positive_duration("0s").is_err());
+    }
+
+    #[test]
+    fn sizes_and_counts() {
+        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_size("512KiB").unwrap(), 512 << 10);
+        assert_eq!(parse_size("100").unwrap(), 100);
+        for bad in ["0", "-1", "1XB", "", "MiB"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+        assert!(parse_positive_usize("0").is_err());
+        assert!(parse_positive_usize("-3").is_err());
+        assert_eq!(parse_positive_usize("7").unwrap(), 7);
+    }
+
+    #[test]
+    fn valkey_url_from_the_kit_settings() {
+        let v = ValkeyArgs {
+            valkey_url: None,
+            valkey_addr: "cache:6380".into(),
+            valkey_password: Some("p@ss word".into()),
+            valkey_db: 3,
+            valkey_timeout: Duration::from_secs(1),
+        };
+        assert_eq!(v.url(), "redis://:p%40ss%20word@cache:6380/3");
+        assert!(v.client().is_ok());
+        assert!(!v.display().contains("ss"));
+        let v = ValkeyArgs {
+            valkey_url: Some("redis://u:secret@h:1/0".into()),
+            ..v
+        };
+        assert_eq!(v.display(), "redis://u:***@h:1/0");
+    }
+
+    #[test]
+    fn identifiers() {
+        assert!(parse_identifier("outbox_relay").is_ok());
+        assert!(parse_identifier("Bad").is_err());
+        assert!(parse_identifier("a;b").is_err());
+    }
+}

@@ -1,0 +1,28 @@
+//! outbox-relay: delivers rows of a PostgreSQL transactional outbox to Valkey as asynq tasks,
+//! through logical replication, acknowledging an LSN only after Valkey confirmed every task up
+//! to that commit.
+//!
+//! # Layout
+//! - [`config`]: the CLI and `OUTBOX_*` settings, validated before anything connects.
+//! - [`pgoutput`]: PURE decoding of pgoutput messages into outbox rows; no I/O, never panics.
+//! - [`task`]: PURE row -> asynq task (the Go kit's Envelope, asynq's TaskMessage bytes).
+//! - [`sink`]: the [`sink::Sink`] contract; the Valkey writer (asynq's enqueue script,
+//!   pipelined) and an in-memory sink for tests.
+//! - [`replication`]: slot/publication setup and checks, the stream loop, the in-flight writes
+//!   and the acknowledgement bookkeeping.
+//! - [`postgres`]: connections (SQL and replication parameters) from one URL.
+//! - [`migrate`]: the embedded goose migrations.
+//! - [`relay`]: `run` wiring: checks, then the stream until shutdown.
+//! - [`metrics`]: metric names, registered once.
+//! - [`backoff`]: the one capped-exponential retry delay.
+
+pub mod backoff;
+pub mod config;
+pub mod metrics;
+pub mod migrate;
+pub mod pgoutput;
+pub mod postgres;
+pub mod relay;
+pub mod replication;
+pub mod sink;
+pub mod task;

@@ -1,0 +1,98 @@
+//! The `outbox-relay` binary: parse the CLI, set up logging, run the library, map errors to
+//! exit codes (0 success or clean shutdown, 1 runtime failure, 2 bad configuration).
+
+use anyhow::Context;
+use clap::Parser;
+use outbox_relay::config::{Cli, Command, LogFormat};
+use outbox_relay::metrics::Metrics;
+use outbox_relay::postgres::PgTarget;
+use outbox_relay::replication::stream::error_chain;
+use std::process::ExitCode;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    init_tracing(cli.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %error_chain(e.as_ref()), "outbox-relay failed");
+            eprintln!("error: {}", error_chain(e.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOX_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+async fn dispatch(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Run(args) => {
+            let mut registry = prometheus_client::registry::Registry::default();
+            let metrics = Arc::new(Metrics::new(&mut registry));
+            let shutdown = CancellationToken::new();
+            tokio::spawn(wait_for_signal(shutdown.clone()));
+            outbox_relay::relay::run(&args, metrics, shutdown).await?;
+            Ok(())
+        }
+        Command::Migrate(args) => {
+            let pg = PgTarget::parse(&args.db.database_url)?;
+            let mut client = pg.connect().await?;
+            outbox_relay::migrate::migrate(&mut client, &args.db.table, &args.db.publication)
+                .await
+                .context("outbox-relay migrate")?;
+            tracing::info!(table = %args.db.table, publication = %args.db.publication, "migrations applied");
+            Ok(())
+        }
+    }
+}
+
+/// Cancels `token` on SIGINT or SIGTERM.
+async fn wait_for_signal(token: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM");
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+    }
+    token.cancel();
+}

@@ -1,0 +1,128 @@
+//! Metric names and the registry, created once and shared by reference. Counters are atomics, so
+//! the hot path only increments.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+/// `outbox_events_failed_total{event_type}` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EventTypeLabel {
+    pub event_type: String,
+}
+
+/// `outbox_reconnects_total{target}` labels: `postgres` or `valkey`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TargetLabel {
+    pub target: &'static str,
+}
+
+/// `outbox_bad_rows_total{reason}` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
+}
+
+/// Every metric the relay exports.
+pub struct Metrics {
+    /// Events confirmed in Valkey (new tasks plus TaskIDs that already existed).
+    pub published: Counter,
+    /// Of those, TaskIDs that already existed (replays absorbed by asynq's dedupe).
+    pub duplicates: Counter,
+    /// Rows that could not be delivered, by event name.
+    pub failed: Family<EventTypeLabel, Counter>,
+    /// Rows that could not become tasks, by reason.
+    pub bad_rows: Family<ReasonLabel, Counter>,
+    /// One Valkey write (a pipeline of tasks), from send to confirmation.
+    pub batch_duration: Histogram,
+    /// Failed Valkey writes (each one is retried).
+    pub write_errors: Counter,
+    /// 1 while the replication stream is connected.
+    pub stream_up: Gauge,
+    /// Connections re-established after a loss.
+    pub reconnects: Family<TargetLabel, Counter>,
+    /// The LSN last acknowledged to Postgres (as a number).
+    pub acked_lsn: Gauge<u64, AtomicU64>,
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them in `registry`.
+    pub fn new(registry: &mut Registry) -> Self {
+        let m = Self {
+            published: Counter::default(),
+            duplicates: Counter::default(),
+            failed: Family::default(),
+            bad_rows: Family::default(),
+            batch_duration: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            write_errors: Counter::default(),
+            stream_up: Gauge::default(),
+            reconnects: Family::default(),
+            acked_lsn: Gauge::default(),
+        };
+        registry.register(
+            "outbox_events_published",
+            "Events confirmed in Valkey (new tasks plus already-present TaskIDs)",
+            m.published.clone(),
+        );
+        registry.register(
+            "outbox_events_duplicate",
+            "Events whose TaskID already existed in Valkey (replays deduplicated)",
+            m.duplicates.clone(),
+        );
+        registry.register(
+            "outbox_events_failed",
+            "Events that could not be delivered, by event type",
+            m.failed.clone(),
+        );
+        registry.register(
+            "outbox_bad_rows",
+            "Rows that could not become tasks, by reason",
+            m.bad_rows.clone(),
+        );
+        registry.register(
+            "outbox_batch_duration_seconds",
+            "Duration of one Valkey write of a batch",
+            m.batch_duration.clone(),
+        );
+        registry.register(
+            "outbox_valkey_write_errors",
+            "Failed Valkey writes (retried)",
+            m.write_errors.clone(),
+        );
+        registry.register(
+            "outbox_stream_up",
+            "1 while the replication stream is connected",
+            m.stream_up.clone(),
+        );
+        registry.register(
+            "outbox_reconnects",
+            "Connections re-established after a loss, by target",
+            m.reconnects.clone(),
+        );
+        registry.register(
+            "outbox_acked_lsn",
+            "The LSN last acknowledged to Postgres",
+            m.acked_lsn.clone(),
+        );
+        m
+    }
+
+    /// Metrics registered nowhere, for tests and tools.
+    pub fn unregistered() -> Self {
+        Self::new(&mut Registry::default())
+    }
+
+    /// Counts a row that could not become a task.
+    pub fn bad_row(&self, event_name: &str, reason: &'static str) {
+        self.bad_rows.get_or_create(&ReasonLabel { reason }).inc();
+        self.failed
+            .get_or_create(&EventTypeLabel {
+                event_type: event_name.to_owned(),
+            })
+            .inc();
+    }
+}

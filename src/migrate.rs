@@ -1,0 +1,120 @@
+//! `outbox-relay migrate`: the SQL files of `migrations/`, embedded, applied in order.
+//!
+//! The files carry goose annotations so Go teams can apply the same files with goose; here the
+//! `-- +goose Up` section of each runs in one transaction under an advisory lock. Every statement
+//! is idempotent, so running it twice, or after the Go kit's own migration, changes nothing.
+//! A table or publication name other than the defaults is substituted into the SQL (names are
+//! validated identifiers).
+
+use crate::pgoutput::TableName;
+
+/// The migrations, in order: (file name, SQL).
+pub const MIGRATIONS: &[(&str, &str)] = &[
+    (
+        "20240101000100_outbox_events.sql",
+        include_str!("../migrations/20240101000100_outbox_events.sql"),
+    ),
+    (
+        "20240101000200_outbox_relay_publication.sql",
+        include_str!("../migrations/20240101000200_outbox_relay_publication.sql"),
+    ),
+];
+
+/// An arbitrary constant: serialises concurrent `migrate` runs.
+const LOCK_KEY: i64 = 0x6f75_7462_6f78;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    #[error("migration {file} failed")]
+    Sql {
+        file: &'static str,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    #[error("migration transaction failed")]
+    Transaction(#[source] tokio_postgres::Error),
+}
+
+/// The `Up` section of a goose file, with the annotations stripped.
+pub fn up_section(sql: &str) -> String {
+    let mut out = String::new();
+    let mut in_up = false;
+    for line in sql.lines() {
+        let t = line.trim();
+        if t.starts_with("-- +goose Up") {
+            in_up = true;
+            continue;
+        }
+        if t.starts_with("-- +goose Down") {
+            break;
+        }
+        if in_up && !t.starts_with("-- +goose") {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The SQL of `sql` for a table and publication other than the defaults.
+pub fn render(sql: &str, table: &TableName, publication: &str) -> String {
+    sql.replace("outbox_relay", publication)
+        .replace("ON outbox_events ", &format!("ON {} ", table.sql()))
+        .replace("EXISTS outbox_events ", &format!("EXISTS {} ", table.sql()))
+        .replace("TABLE outbox_events ", &format!("TABLE {} ", table.sql()))
+        .replace(
+            "outbox_events_unpublished_idx",
+            &format!("{}_unpublished_idx", table.table),
+        )
+}
+
+/// Applies every migration in one transaction.
+pub async fn migrate(
+    client: &mut tokio_postgres::Client,
+    table: &TableName,
+    publication: &str,
+) -> Result<(), MigrateError> {
+    let tx = client
+        .transaction()
+        .await
+        .map_err(MigrateError::Transaction)?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
+        .await
+        .map_err(MigrateError::Transaction)?;
+    for (file, sql) in MIGRATIONS {
+        let sql = render(&up_section(sql), table, publication);
+        tx.batch_execute(&sql)
+            .await
+            .map_err(|source| MigrateError::Sql { file, source })?;
+        tracing::info!(file, "migration applied");
+    }
+    tx.commit().await.map_err(MigrateError::Transaction)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn up_sections_have_no_goose_lines_and_no_down() {
+        for (_, sql) in MIGRATIONS {
+            let up = up_section(sql);
+            assert!(!up.contains("+goose"));
+            assert!(!up.contains("DROP PUBLICATION"));
+            assert!(!up.trim().is_empty());
+        }
+    }
+
+    #[test]
+    fn render_substitutes_names() {
+        let t = TableName::parse("app.events").unwrap();
+        let all: String = MIGRATIONS
+            .iter()
+            .map(|(_, s)| render(&up_section(s), &t, "pub_x"))
+            .collect();
+        assert!(all.contains("CREATE TABLE IF NOT EXISTS app.events ("));
+        assert!(all.contains("events_unpublished_idx ON app.events (id)"));
+        assert!(all.contains("CREATE PUBLICATION pub_x FOR TABLE app.events WITH"));
+        assert!(!all.contains("outbox_events"));
+    }
+}

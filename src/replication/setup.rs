@@ -1,0 +1,232 @@
+//! Start-up checks and the objects the stream needs: wal_level, the REPLICATION privilege, the
+//! outbox table, the publication (created before the slot, inserts only) and the slot.
+//! Every failure says what to do about it.
+
+use crate::pgoutput::{OutboxColumn, TableName};
+use pgwire_replication::Lsn;
+use tokio_postgres::Client;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error(
+        "wal_level is '{0}', but logical replication needs 'logical': run \
+         `ALTER SYSTEM SET wal_level = logical;` and restart PostgreSQL \
+         (on managed services set the parameter group / flag `wal_level=logical` or \
+         `rds.logical_replication=1`), or run with OUTBOX_MODE=poll"
+    )]
+    WalLevel(String),
+    #[error(
+        "role {0:?} may not use replication: run `ALTER ROLE {0} REPLICATION;` as a superuser \
+         (see docs/configuration.md for a least-privilege role)"
+    )]
+    NoReplicationPrivilege(String),
+    #[error("the outbox table {0} does not exist: run `outbox-relay migrate` (or the Go kit's migration)")]
+    NoTable(String),
+    #[error(
+        "the outbox table {table} lacks column(s) {missing}: it must have the Go kit's columns \
+         (id, event_id, event_name, payload, metadata, created_at, published_at)"
+    )]
+    MissingColumns { table: String, missing: String },
+    #[error(
+        "publication {publication:?} exists but does not include {table}: run \
+         `ALTER PUBLICATION {publication} ADD TABLE {table};` or choose another OUTBOX_PUBLICATION"
+    )]
+    PublicationLacksTable { publication: String, table: String },
+    #[error(
+        "publication {publication:?} does not publish inserts: run \
+         `ALTER PUBLICATION {publication} SET (publish = 'insert');`"
+    )]
+    PublicationWithoutInserts { publication: String },
+    #[error(
+        "slot {slot:?} uses plugin {plugin:?}, not pgoutput: drop it \
+         (`SELECT pg_drop_replication_slot('{slot}');`) or choose another OUTBOX_SLOT"
+    )]
+    WrongPlugin { slot: String, plugin: String },
+    #[error(
+        "slot {slot:?} belongs to database {database:?}, not this one: choose another OUTBOX_SLOT"
+    )]
+    WrongDatabase { slot: String, database: String },
+    #[error("slot {0:?} is a physical slot: choose another OUTBOX_SLOT")]
+    PhysicalSlot(String),
+    #[error("slot {0:?} was dropped right after it was created (another process?)")]
+    SlotVanished(String),
+    #[error("postgres query failed during setup")]
+    Query(#[from] tokio_postgres::Error),
+}
+
+/// Refuses a server that cannot stream logical changes.
+pub async fn check_wal_level(client: &Client) -> Result<(), SetupError> {
+    let row = client.query_one("SHOW wal_level", &[]).await?;
+    let level: String = row.get(0);
+    if level != "logical" {
+        return Err(SetupError::WalLevel(level));
+    }
+    Ok(())
+}
+
+/// Refuses a role that can neither replicate nor is superuser.
+pub async fn check_replication_privilege(client: &Client) -> Result<(), SetupError> {
+    let row = client
+        .query_one(
+            "SELECT current_user::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
+            &[],
+        )
+        .await?;
+    let (user, ok): (String, bool) = (row.get(0), row.get(1));
+    if !ok {
+        return Err(SetupError::NoReplicationPrivilege(user));
+    }
+    Ok(())
+}
+
+/// Checks the table exists and has the columns a task is built from.
+pub async fn check_table(client: &Client, table: &TableName) -> Result<(), SetupError> {
+    let row = client
+        .query_one("SELECT to_regclass($1)::oid", &[&table.sql()])
+        .await?;
+    let oid: Option<u32> = row.get(0);
+    let Some(oid) = oid else {
+        return Err(SetupError::NoTable(table.sql()));
+    };
+    let rows = client
+        .query(
+            "SELECT attname::text FROM pg_attribute WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped",
+            &[&oid],
+        )
+        .await?;
+    let have: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    let missing: Vec<&str> = OutboxColumn::ALL
+        .into_iter()
+        .filter(|c| c.required() && !have.iter().any(|h| h == c.name()))
+        .map(OutboxColumn::name)
+        .collect();
+    if !missing.is_empty() {
+        return Err(SetupError::MissingColumns {
+            table: table.sql(),
+            missing: missing.join(", "),
+        });
+    }
+    Ok(())
+}
+
+/// Creates the publication (inserts only) when missing; checks an existing one covers the table.
+pub async fn ensure_publication(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<(), SetupError> {
+    let row = client
+        .query_opt(
+            "SELECT pubinsert, pubupdate OR pubdelete OR pubtruncate FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await?;
+    match row {
+        None => {
+            // Names are validated identifiers (config), so formatting them in is safe.
+            client
+                .batch_execute(&format!(
+                    "CREATE PUBLICATION {publication} FOR TABLE {} WITH (publish = 'insert')",
+                    table.sql()
+                ))
+                .await?;
+            tracing::info!(publication, table = %table, "created publication (inserts only)");
+        }
+        Some(row) => {
+            let (inserts, others): (bool, bool) = (row.get(0), row.get(1));
+            if !inserts {
+                return Err(SetupError::PublicationWithoutInserts {
+                    publication: publication.to_owned(),
+                });
+            }
+            if others {
+                tracing::warn!(
+                    publication,
+                    "publication also publishes updates, deletes or truncates: they are ignored, \
+                     but cost decoding; `ALTER PUBLICATION ... SET (publish = 'insert')` avoids that"
+                );
+            }
+            let covered = client
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 \
+                     AND format('%I.%I', schemaname, tablename)::regclass = to_regclass($2))",
+                    &[&publication, &table.sql()],
+                )
+                .await?;
+            if !covered.get::<_, bool>(0) {
+                return Err(SetupError::PublicationLacksTable {
+                    publication: publication.to_owned(),
+                    table: table.sql(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A slot as `pg_replication_slots` describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotInfo {
+    pub confirmed_flush: Lsn,
+    pub active_pid: Option<i32>,
+    /// `reserved`, `extended`, `unreserved` or `lost`.
+    pub wal_status: Option<String>,
+}
+
+/// Reads the slot, `None` when it does not exist. Refuses a slot the stream cannot use.
+pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, SetupError> {
+    let row = client
+        .query_opt(
+            "SELECT slot_type, coalesce(plugin, ''), coalesce(database::text, ''), current_database()::text, \
+                    coalesce(confirmed_flush_lsn::text, '0/0'), active_pid, wal_status \
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    let Some(row) = row else { return Ok(None) };
+    let (kind, plugin, db, current_db): (String, String, String, String) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    if kind != "logical" {
+        return Err(SetupError::PhysicalSlot(slot.to_owned()));
+    }
+    if plugin != "pgoutput" {
+        return Err(SetupError::WrongPlugin {
+            slot: slot.to_owned(),
+            plugin,
+        });
+    }
+    if db != current_db {
+        return Err(SetupError::WrongDatabase {
+            slot: slot.to_owned(),
+            database: db,
+        });
+    }
+    let lsn: String = row.get(4);
+    Ok(Some(SlotInfo {
+        confirmed_flush: Lsn::parse(&lsn).unwrap_or(Lsn::ZERO),
+        active_pid: row.get(5),
+        wal_status: row.get(6),
+    }))
+}
+
+/// Creates the slot when missing and returns it.
+pub async fn ensure_slot(client: &Client, slot: &str) -> Result<SlotInfo, SetupError> {
+    if let Some(info) = slot_info(client, slot).await? {
+        return Ok(info);
+    }
+    // Two relays starting at once may race here: the loser's "already exists" is fine.
+    let created = client
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await;
+    match created {
+        Ok(_) => tracing::info!(slot, "created logical replication slot (pgoutput)"),
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_OBJECT) => {}
+        Err(e) => return Err(e.into()),
+    }
+    slot_info(client, slot)
+        .await?
+        .ok_or_else(|| SetupError::SlotVanished(slot.to_owned()))
+}

@@ -1,0 +1,406 @@
+//! The replication stream: pgoutput in, asynq tasks out, LSN acknowledged only after Valkey.
+//!
+//! One task runs one `select! { biased; ... }` loop per connection (a session), in priority
+//! order: shutdown; write confirmations and failures; the next replication event (only while
+//! the open batch has room); dispatch of the open batch (only when nothing is ready to read,
+//! or the batch is full).
+//!
+//! Rows are streamed into batches as they arrive, so a huge transaction
+//! never sits in memory; its commit is acknowledged once its last batch is confirmed.
+//! Status updates go out every second from the transport's own clock, also while this loop
+//! waits on Valkey, so the walsender never times out.
+
+use super::ack::AckTracker;
+use super::setup::{self, SetupError};
+use super::writer::{Writer, WriterEvent};
+use crate::backoff::Backoff;
+use crate::metrics::{Metrics, TargetLabel};
+use crate::pgoutput::{
+    self, DecodeError, Decoded, OutboxColumn, OutboxInsert, RelationCache, TableName,
+};
+use crate::postgres::{PgError, PgTarget};
+use crate::sink::{Batch, Sink};
+use crate::task::{BadRow, RowText, TaskSettings};
+use pgwire_replication::{FeedbackObserver, Lsn, PgWireError, ReplicationClient, ReplicationEvent};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// How the stream runs.
+#[derive(Debug, Clone)]
+pub struct StreamSettings {
+    pub slot: String,
+    pub publication: String,
+    pub table: TableName,
+    /// Rows per batch (one Valkey round trip).
+    pub batch_rows: usize,
+    /// Task bytes per batch.
+    pub batch_bytes: usize,
+    /// Unconfirmed batches at most.
+    pub max_inflight: usize,
+    /// How long shutdown waits for in-flight writes.
+    pub shutdown_timeout: Duration,
+    /// Events buffered between the socket reader and this loop.
+    pub buffer_events: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error("replication connection failed")]
+    Replication(#[source] PgWireError),
+    #[error("could not decode a pgoutput message")]
+    Decode(#[source] DecodeError),
+    #[error(transparent)]
+    Setup(#[from] SetupError),
+    #[error(transparent)]
+    Postgres(#[from] PgError),
+}
+
+impl StreamError {
+    /// Worth reconnecting for; the rest stops the relay with the error.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            StreamError::Replication(PgWireError::Auth(_) | PgWireError::Tls(_)) => false,
+            StreamError::Replication(_) | StreamError::Decode(_) | StreamError::Postgres(_) => true,
+            StreamError::Setup(SetupError::Query(_)) => true,
+            StreamError::Setup(_) => false,
+        }
+    }
+}
+
+/// The replication stream of one relay.
+pub struct Stream<S: Sink> {
+    pub pg: PgTarget,
+    pub settings: StreamSettings,
+    pub tasks: Arc<TaskSettings>,
+    pub sink: S,
+    pub metrics: Arc<Metrics>,
+}
+
+/// How a session ended without an error.
+enum SessionEnd {
+    Shutdown,
+    ServerClosed,
+}
+
+impl<S: Sink> Stream<S> {
+    /// Streams until `shutdown` fires (Ok) or a non-retryable error. Reconnects with capped
+    /// exponential backoff, each time resuming from the slot's confirmed position.
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<(), StreamError> {
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+        loop {
+            let started = Instant::now();
+            let result = self.session(&shutdown).await;
+            self.metrics.stream_up.set(0);
+            match result {
+                Ok(SessionEnd::Shutdown) => return Ok(()),
+                Ok(SessionEnd::ServerClosed) => {
+                    tracing::warn!("replication stream closed by the server")
+                }
+                Err(e) if e.is_retryable() => {
+                    tracing::warn!(error = %error_chain(&e), "replication stream lost")
+                }
+                Err(e) => return Err(e),
+            }
+            if started.elapsed() > Duration::from_secs(30) {
+                backoff.reset();
+            }
+            let delay = backoff.next_delay();
+            tracing::info!(
+                delay_ms = delay.as_millis() as u64,
+                "reconnecting the replication stream"
+            );
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(delay) => {}
+            }
+            self.metrics
+                .reconnects
+                .get_or_create(&TargetLabel { target: "postgres" })
+                .inc();
+        }
+    }
+
+    /// The slot's confirmed position, creating the slot when missing.
+    async fn slot_position(&self) -> Result<Lsn, StreamError> {
+        let client = self.pg.connect().await?;
+        let info = setup::ensure_slot(&client, &self.settings.slot).await?;
+        Ok(info.confirmed_flush)
+    }
+
+    async fn session(&self, shutdown: &CancellationToken) -> Result<SessionEnd, StreamError> {
+        let start = self.slot_position().await?;
+        let cfg = self
+            .pg
+            .replication(&self.settings.slot, &self.settings.publication)
+            .with_start_lsn(start)
+            .with_ack_lsn(start)
+            .with_status_interval(Duration::from_secs(1))
+            .with_wakeup_interval(Duration::from_secs(1))
+            .with_buffer_size(self.settings.buffer_events)
+            // Needed for feedback_pending_since(): the final ack is confirmed sent.
+            .with_feedback_observer(FeedbackObserver::new(|_| {}));
+        let mut client = ReplicationClient::connect(cfg)
+            .await
+            .map_err(StreamError::Replication)?;
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(SessionEnd::Shutdown),
+            r = client.wait_started() => r.map_err(StreamError::Replication)?,
+        }
+        tracing::info!(slot = %self.settings.slot, lsn = %start, "replication stream started");
+        self.metrics.stream_up.set(1);
+        let mut session = Session::new(self, start);
+        let end = session.run(&mut client, shutdown).await;
+        if matches!(end, Ok(SessionEnd::Shutdown)) {
+            session.finish(&mut client).await;
+        }
+        end
+    }
+}
+
+/// State of one replication connection.
+struct Session<'a, S: Sink> {
+    stream: &'a Stream<S>,
+    relations: RelationCache,
+    ack: AckTracker,
+    /// The LSN last handed to the transport.
+    reported: Lsn,
+    open: Batch,
+    writer: Writer<S>,
+    /// Reused buffer for task payloads.
+    scratch: Vec<u8>,
+    /// The current transaction's final LSN, for logs.
+    txn_lsn: Lsn,
+}
+
+impl<'a, S: Sink> Session<'a, S> {
+    fn new(stream: &'a Stream<S>, start: Lsn) -> Self {
+        Self {
+            stream,
+            relations: RelationCache::new(stream.settings.table.clone()),
+            ack: AckTracker::new(start),
+            reported: start,
+            open: Batch::default(),
+            writer: Writer::new(
+                stream.sink.clone(),
+                stream.settings.max_inflight,
+                stream.metrics.clone(),
+            ),
+            scratch: Vec::with_capacity(4096),
+            txn_lsn: Lsn::ZERO,
+        }
+    }
+
+    fn open_full(&self) -> bool {
+        self.open.len() >= self.stream.settings.batch_rows
+            || self.open.bytes >= self.stream.settings.batch_bytes
+    }
+
+    async fn run(
+        &mut self,
+        client: &mut ReplicationClient,
+        shutdown: &CancellationToken,
+    ) -> Result<SessionEnd, StreamError> {
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(SessionEnd::Shutdown),
+                ev = self.writer.next(), if self.writer.busy() => self.on_write(ev, client),
+                ev = client.recv(), if !self.open_full() => match ev {
+                    Ok(Some(ev)) => self.on_event(ev, client)?,
+                    Ok(None) => return Ok(SessionEnd::ServerClosed),
+                    Err(e) => return Err(StreamError::Replication(e)),
+                },
+                _ = std::future::ready(()), if !self.open.is_empty() && self.writer.can_send() => {
+                    self.dispatch();
+                }
+            }
+        }
+    }
+
+    fn dispatch(&mut self) {
+        let seq = self.ack.seal();
+        let batch = std::mem::take(&mut self.open);
+        self.writer.send(seq, batch);
+    }
+
+    fn report(&mut self, client: &ReplicationClient) {
+        let acked = self.ack.acked();
+        if acked > self.reported {
+            client.update_applied_lsn(acked);
+            self.reported = acked;
+            self.stream.metrics.acked_lsn.set(acked.0);
+        }
+    }
+
+    fn on_write(&mut self, ev: WriterEvent, client: &ReplicationClient) {
+        match ev {
+            WriterEvent::Confirmed {
+                seq,
+                batch,
+                outcome,
+            } => {
+                let m = &self.stream.metrics;
+                m.published
+                    .inc_by((outcome.enqueued + outcome.duplicates) as u64);
+                m.duplicates.inc_by(outcome.duplicates as u64);
+                tracing::debug!(
+                    seq,
+                    tasks = batch.len(),
+                    duplicates = outcome.duplicates,
+                    "batch confirmed"
+                );
+                self.ack.confirmed(seq);
+                self.report(client);
+            }
+            WriterEvent::Failed { error, retry_in } => {
+                tracing::warn!(
+                    error = %error_chain(&error),
+                    retry_in_ms = retry_in.as_millis() as u64,
+                    "valkey write failed; holding the acknowledgement and retrying"
+                );
+            }
+        }
+    }
+
+    fn on_event(
+        &mut self,
+        ev: ReplicationEvent,
+        client: &ReplicationClient,
+    ) -> Result<(), StreamError> {
+        match ev {
+            ReplicationEvent::Begin { final_lsn, .. } => {
+                self.txn_lsn = final_lsn;
+                self.ack.begin();
+            }
+            ReplicationEvent::XLogData { data, .. } => self.on_data(&data)?,
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                self.ack.commit(end_lsn);
+                self.report(client);
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                self.ack.idle_position(wal_end);
+                self.report(client);
+            }
+            ReplicationEvent::Message {
+                transactional: false,
+                lsn,
+                ..
+            } => {
+                self.ack.idle_position(lsn);
+                self.report(client);
+            }
+            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+        }
+        if self.open_full() && self.writer.can_send() {
+            self.dispatch();
+        }
+        Ok(())
+    }
+
+    fn on_data(&mut self, data: &[u8]) -> Result<(), StreamError> {
+        match pgoutput::decode(data, &mut self.relations).map_err(StreamError::Decode)? {
+            Decoded::Relation { relation_id } => {
+                let rel = self.relations.get(relation_id);
+                if let Some(missing) = rel.and_then(|r| r.outbox_map()).map(|m| m.missing()) {
+                    if !missing.is_empty() {
+                        tracing::error!(
+                            table = %self.stream.settings.table,
+                            missing = ?missing.iter().map(|c| c.name()).collect::<Vec<_>>(),
+                            "the outbox table lost required columns: its rows cannot become tasks \
+                             and stay unpublished until the table is fixed"
+                        );
+                    }
+                }
+            }
+            Decoded::Insert(row) => self.on_insert(&row),
+            Decoded::OtherInsert { .. } | Decoded::Ignored(_) => {}
+        }
+        Ok(())
+    }
+
+    fn on_insert(&mut self, row: &OutboxInsert<'_>) {
+        let event_id = row.text(OutboxColumn::EventId).ok().flatten().unwrap_or("");
+        let event_name = row
+            .text(OutboxColumn::EventName)
+            .ok()
+            .flatten()
+            .unwrap_or("");
+        let built =
+            row_text(row).and_then(|text| self.stream.tasks.build(&text, &mut self.scratch));
+        match built {
+            Ok(task) => {
+                self.open.push(task);
+                self.ack.row();
+            }
+            Err(bad) => {
+                tracing::warn!(
+                    event_id,
+                    event_name,
+                    lsn = %self.txn_lsn,
+                    reason = %bad,
+                    "row cannot become a task; left unpublished for the recovery path"
+                );
+                self.stream.metrics.bad_row(event_name, bad.reason());
+            }
+        }
+    }
+
+    /// Graceful end: send what is open, wait (bounded) for in-flight writes, send the final
+    /// acknowledgement and make sure it reached the server.
+    async fn finish(&mut self, client: &mut ReplicationClient) {
+        if !self.open.is_empty() {
+            self.dispatch();
+        }
+        let deadline = Instant::now() + self.stream.settings.shutdown_timeout;
+        while self.writer.busy() {
+            tokio::select! {
+                ev = self.writer.next() => {
+                    if let WriterEvent::Failed { error, .. } = ev {
+                        tracing::warn!(error = %error_chain(&error), "write failed during shutdown; abandoning in-flight batches (they will be replayed)");
+                        break;
+                    }
+                    self.on_write(ev, client);
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!("shutdown deadline reached; abandoning in-flight batches (they will be replayed)");
+                    break;
+                }
+            }
+        }
+        self.report(client);
+        let sent_by = Instant::now() + Duration::from_secs(3);
+        while client.feedback_pending_since().is_some() && Instant::now() < sent_by {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tracing::info!(lsn = %self.ack.acked(), "final acknowledgement sent");
+        let _ = tokio::time::timeout(Duration::from_secs(3), client.shutdown()).await;
+    }
+}
+
+/// The text columns of an outbox insert.
+fn row_text<'r>(row: &OutboxInsert<'r>) -> Result<RowText<'r>, BadRow> {
+    let get = |c: OutboxColumn| row.text(c).map_err(|e| BadRow::Column(e.to_string()));
+    let req = |c: OutboxColumn| get(c)?.ok_or(BadRow::MissingColumn(c.name()));
+    Ok(RowText {
+        id: get(OutboxColumn::Id)?,
+        event_id: req(OutboxColumn::EventId)?,
+        event_name: req(OutboxColumn::EventName)?,
+        payload: req(OutboxColumn::Payload)?,
+        metadata: get(OutboxColumn::Metadata)?,
+        created_at: req(OutboxColumn::CreatedAt)?,
+    })
+}
+
+/// An error and its causes on one line, for logs.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
