@@ -33,6 +33,23 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Create the outbox table (the Go kit's schema) and the publication; safe to run again.
     Migrate(MigrateArgs),
+    /// Show the oldest pending tasks of a queue in Valkey, decoded.
+    Peek(PeekArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct PeekArgs {
+    #[command(flatten)]
+    pub valkey: ValkeyArgs,
+    /// The asynq queue.
+    #[arg(long, env = "OUTBOX_QUEUE", default_value = "default", value_parser = parse_nonempty)]
+    pub queue: String,
+    /// How many tasks to show.
+    #[arg(long, default_value_t = 20, value_parser = parse_positive_usize)]
+    pub limit: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Where the outbox lives.
@@ -157,7 +174,24 @@ pub struct RunArgs {
     pub shutdown_timeout: Duration,
 }
 
+impl DatabaseArgs {
+    /// The parsed database URL.
+    pub fn target(&self) -> Result<crate::postgres::PgTarget, ConfigError> {
+        crate::postgres::PgTarget::parse(&self.database_url).map_err(|e| ConfigError::Invalid {
+            setting: "OUTBOX_DATABASE_URL",
+            reason: e.to_string(),
+        })
+    }
+}
+
 impl RunArgs {
+    /// Checks what clap cannot: URLs parse. Runs before anything connects.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.db.target()?;
+        self.valkey.client()?;
+        Ok(())
+    }
+
     /// The task settings this configuration describes.
     pub fn task_settings(&self) -> TaskSettings {
         TaskSettings {

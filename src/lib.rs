@@ -13,11 +13,13 @@
 //! - [`postgres`]: connections (SQL and replication parameters) from one URL.
 //! - [`migrate`]: the embedded goose migrations.
 //! - [`relay`]: `run` wiring: checks, then the stream until shutdown.
+//! - [`inspect`]: `peek`, the pending tasks of a queue decoded (an operator tool).
 //! - [`metrics`]: metric names, registered once.
 //! - [`backoff`]: the one capped-exponential retry delay.
 
 pub mod backoff;
 pub mod config;
+pub mod inspect;
 pub mod metrics;
 pub mod migrate;
 pub mod pgoutput;

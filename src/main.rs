@@ -5,7 +5,6 @@ use anyhow::Context;
 use clap::Parser;
 use outbox_relay::config::{Cli, Command, LogFormat};
 use outbox_relay::metrics::Metrics;
-use outbox_relay::postgres::PgTarget;
 use outbox_relay::replication::stream::error_chain;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -15,14 +14,18 @@ fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() {
-                ExitCode::from(2)
-            } else {
-                ExitCode::SUCCESS
-            };
+            if !e.use_stderr() {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            eprintln!("{}", name_the_env_var(&e));
+            return ExitCode::from(2);
         }
     };
+    if let Err(e) = validate(&cli.command) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     init_tracing(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -42,6 +45,43 @@ fn main() -> ExitCode {
             eprintln!("error: {}", error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Settings that parse but cannot be used, refused before anything connects.
+fn validate(command: &Command) -> Result<(), outbox_relay::config::ConfigError> {
+    match command {
+        Command::Run(args) => args.validate(),
+        Command::Migrate(args) => args.db.target().map(|_| ()),
+        Command::Peek(args) => args.valkey.client().map(|_| ()),
+    }
+}
+
+/// clap's error, with the environment variable of the offending flag named too.
+fn name_the_env_var(e: &clap::Error) -> String {
+    use clap::error::{ContextKind, ContextValue};
+    let text = e.render().to_string();
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return text;
+    };
+    let long = arg
+        .split_whitespace()
+        .next()
+        .unwrap_or("")
+        .trim_start_matches("--");
+    let cmd = <Cli as clap::CommandFactory>::command();
+    let env = std::iter::once(&cmd)
+        .chain(cmd.get_subcommands())
+        .flat_map(|c| c.get_arguments())
+        .find(|a| a.get_long() == Some(long))
+        .and_then(|a| a.get_env())
+        .map(|v| v.to_string_lossy().into_owned());
+    match env {
+        Some(env) => {
+            let first = text.lines().next().unwrap_or("");
+            format!("{first} (environment variable {env})")
+        }
+        None => text,
     }
 }
 
@@ -68,8 +108,22 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             outbox_relay::relay::run(&args, metrics, shutdown).await?;
             Ok(())
         }
+        Command::Peek(args) => {
+            let client = args.valkey.client()?;
+            let mut conn = client
+                .get_connection_manager()
+                .await
+                .with_context(|| format!("cannot reach Valkey at {}", args.valkey.display()))?;
+            let tasks = outbox_relay::inspect::peek(&mut conn, &args.queue, args.limit).await?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&tasks)?);
+            } else {
+                print!("{}", outbox_relay::inspect::render(&tasks));
+            }
+            Ok(())
+        }
         Command::Migrate(args) => {
-            let pg = PgTarget::parse(&args.db.database_url)?;
+            let pg = args.db.target()?;
             let mut client = pg.connect().await?;
             outbox_relay::migrate::migrate(&mut client, &args.db.table, &args.db.publication)
                 .await

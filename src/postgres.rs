@@ -16,7 +16,7 @@ pub const APPLICATION_NAME: &str = "outbox-relay";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PgError {
-    #[error("OUTBOX_DATABASE_URL is not a valid PostgreSQL URL: {0}")]
+    #[error("not a valid PostgreSQL URL: {0}")]
     InvalidUrl(String),
     #[error("cannot connect to PostgreSQL at {target}")]
     Connect {

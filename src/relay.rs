@@ -5,6 +5,7 @@
 use crate::config::RunArgs;
 use crate::metrics::Metrics;
 use crate::postgres::{PgError, PgTarget};
+
 use crate::replication::setup::{self, SetupError};
 use crate::replication::stream::{Stream, StreamError, StreamSettings};
 use crate::sink::valkey::ValkeySink;
@@ -32,7 +33,7 @@ pub enum RelayError {
 
 /// Checks everything a stream needs and creates the publication and slot when missing.
 pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink), RelayError> {
-    let pg = PgTarget::parse(&args.db.database_url)?;
+    let pg = args.db.target()?;
     let valkey_client = args.valkey.client()?;
     let client = pg.connect().await?;
     setup::check_wal_level(&client).await?;

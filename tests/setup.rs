@@ -1,0 +1,239 @@
+//! Start-up: configuration refused before connecting, checks with errors a user can act on, and
+//! migrations that are safe to repeat and safe on the Go kit's own table.
+
+mod common;
+
+use common::*;
+
+fn relay_bin() -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("OUTBOX_") || k.starts_with("VALKEY_") {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
+/// Runs the binary; returns (exit code, stderr).
+fn run_bin(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
+    let out = relay_bin()
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bad_configuration_is_refused_naming_the_setting() {
+    let db = [("OUTBOX_DATABASE_URL", "postgres://u@127.0.0.1:1/d")];
+    let cases: &[(&[(&str, &str)], &str)] = &[
+        (&[("OUTBOX_TASK_TIMEOUT", "5x")], "OUTBOX_TASK_TIMEOUT"),
+        (&[("OUTBOX_TASK_TIMEOUT", "0s")], "OUTBOX_TASK_TIMEOUT"),
+        (
+            &[("OUTBOX_TASK_RETENTION", "soon")],
+            "OUTBOX_TASK_RETENTION",
+        ),
+        (&[("OUTBOX_BATCH_SIZE", "0")], "OUTBOX_BATCH_SIZE"),
+        (&[("OUTBOX_BATCH_SIZE", "-5")], "OUTBOX_BATCH_SIZE"),
+        (
+            &[("OUTBOX_MAX_INFLIGHT_BATCHES", "0")],
+            "OUTBOX_MAX_INFLIGHT_BATCHES",
+        ),
+        (&[("OUTBOX_TASK_MAX_RETRY", "-1")], "OUTBOX_TASK_MAX_RETRY"),
+        (
+            &[("OUTBOX_MAX_PAYLOAD_BYTES", "lots")],
+            "OUTBOX_MAX_PAYLOAD_BYTES",
+        ),
+        (&[("OUTBOX_SLOT", "Bad-Slot")], "OUTBOX_SLOT"),
+        (&[("OUTBOX_TABLE", "x;drop table y")], "OUTBOX_TABLE"),
+        (
+            &[("OUTBOX_QUEUE_ROUTES", "nonsense")],
+            "OUTBOX_QUEUE_ROUTES",
+        ),
+        (&[("OUTBOX_PAYLOAD_FORMAT", "xml")], "OUTBOX_PAYLOAD_FORMAT"),
+        (&[("OUTBOX_VALKEY_URL", "http://nope")], "OUTBOX_VALKEY_URL"),
+    ];
+    for (env, setting) in cases {
+        let mut all: Vec<(&str, &str)> = db.to_vec();
+        all.extend_from_slice(env);
+        let (code, err) = run_bin(&["run"], &all);
+        assert_eq!(code, 2, "{env:?}: {err}");
+        assert!(
+            err.contains(setting),
+            "{env:?} should name {setting}: {err}"
+        );
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    }
+    let (code, err) = run_bin(&["run"], &[("OUTBOX_DATABASE_URL", "not a url")]);
+    assert_eq!(code, 2);
+    assert!(err.contains("OUTBOX_DATABASE_URL"), "{err}");
+    let (code, err) = run_bin(&["run"], &[]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--database-url"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_level_replica_is_refused_with_the_fix() {
+    let pg = OwnPg::start(&["-c", "wal_level=replica"]);
+    let db = TestDb::on(&pg.url, "walrep", true).await;
+    let redis = Redis::start();
+    let err = Relay::start(run_args(&db, &redis.url, &[]))
+        .join()
+        .await
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("wal_level is 'replica'"), "{msg}");
+    assert!(
+        msg.contains("ALTER SYSTEM SET wal_level = logical"),
+        "{msg}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_without_replication_is_refused_with_the_fix() {
+    let db = TestDb::new("norepl").await;
+    let role = format!("r_{}", db.name);
+    db.client()
+        .await
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN; GRANT ALL ON outbox_events TO {role};"
+        ))
+        .await
+        .unwrap();
+    let as_role = TestDb {
+        url: db
+            .url
+            .replace("postgres://postgres@", &format!("postgres://{role}@")),
+        name: db.name.clone(),
+        slot: db.slot.clone(),
+    };
+    let redis = Redis::start();
+    let err = Relay::start(run_args(&as_role, &redis.url, &[]))
+        .join()
+        .await
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&format!("ALTER ROLE {role} REPLICATION")),
+        "{msg}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_valkey_is_refused_naming_it() {
+    let db = TestDb::new("novalkey").await;
+    let redis = Redis::start();
+    let url = redis.url.clone();
+    redis.stop();
+    let err = Relay::start(run_args(&db, &url, &[]))
+        .join()
+        .await
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("cannot reach Valkey at"), "{msg}");
+    assert!(msg.contains(url.trim_start_matches("redis://")), "{msg}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_table_says_to_migrate() {
+    let db = TestDb::on(&shared_pg_url(), "notable", false).await;
+    let redis = Redis::start();
+    let err = Relay::start(run_args(&db, &redis.url, &[]))
+        .join()
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("outbox-relay migrate"), "{err}");
+}
+
+/// The Go kit's migration, verbatim.
+const KIT_MIGRATION: &str = "
+CREATE TABLE outbox_events (
+    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id     uuid        NOT NULL UNIQUE,
+    event_name   text        NOT NULL,
+    payload      jsonb       NOT NULL,
+    metadata     jsonb       NOT NULL DEFAULT '{}'::jsonb,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    published_at timestamptz
+);
+CREATE INDEX outbox_events_unpublished_idx ON outbox_events (id) WHERE published_at IS NULL;";
+
+/// Columns, types, defaults, indexes: what a migration could change.
+async fn catalog(db: &TestDb) -> Vec<String> {
+    let c = db.client().await;
+    let mut out: Vec<String> = c
+        .query(
+            "SELECT format('%s %s %s %s %s', attname, format_type(atttypid, atttypmod), attnotnull,
+                    attidentity, pg_get_expr(adbin, adrelid))
+             FROM pg_attribute LEFT JOIN pg_attrdef ON adrelid = attrelid AND adnum = attnum
+             WHERE attrelid = 'outbox_events'::regclass AND attnum > 0 AND NOT attisdropped
+             ORDER BY attnum",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    out.extend(
+        c.query(
+            "SELECT indexdef FROM pg_indexes WHERE tablename = 'outbox_events' ORDER BY indexname",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, String>(0)),
+    );
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_twice_and_over_the_kit_table_changes_nothing() {
+    let kit = TestDb::on(&shared_pg_url(), "kit", false).await;
+    kit.client()
+        .await
+        .batch_execute(KIT_MIGRATION)
+        .await
+        .unwrap();
+    let before = catalog(&kit).await;
+    for _ in 0..2 {
+        let (code, err) = run_bin(&["migrate"], &[("OUTBOX_DATABASE_URL", &kit.url)]);
+        assert_eq!(code, 0, "{err}");
+    }
+    assert_eq!(catalog(&kit).await, before, "the kit's table is unchanged");
+
+    let fresh = TestDb::on(&shared_pg_url(), "fresh", false).await;
+    for _ in 0..2 {
+        let (code, err) = run_bin(&["migrate"], &[("OUTBOX_DATABASE_URL", &fresh.url)]);
+        assert_eq!(code, 0, "{err}");
+    }
+    assert_eq!(catalog(&fresh).await, before, "the same table as the kit's");
+    let c = fresh.client().await;
+    let publication = c
+        .query_one(
+            "SELECT pubinsert, pubupdate, pubdelete, pubtruncate,
+                    (SELECT count(*) FROM pg_publication_tables t WHERE t.pubname = p.pubname)
+             FROM pg_publication p WHERE pubname = 'outbox_relay'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let flags: (bool, bool, bool, bool, i64) = (
+        publication.get(0),
+        publication.get(1),
+        publication.get(2),
+        publication.get(3),
+        publication.get(4),
+    );
+    assert_eq!(
+        flags,
+        (true, false, false, false, 1),
+        "inserts only, on the outbox"
+    );
+}
