@@ -113,7 +113,8 @@ trap 'exit 143' TERM
 TMP=$(mktemp -d /tmp/outbox-relay-test.XXXXXX)
 chmod 755 "$TMP"
 
-PG_URL=$("$SCRIPTS/pg-start.sh" "$TMP/pg")
+# Every test makes its own database and slot: room for all of them.
+PG_URL=$("$SCRIPTS/pg-start.sh" "$TMP/pg" -- -c max_replication_slots=200 -c max_wal_senders=60 -c max_connections=300)
 
 export OUTBOX_TEST_PG_URL=$PG_URL
 export OUTBOX_TEST_SCRIPTS=$SCRIPTS

@@ -35,6 +35,50 @@ pub enum Command {
     Migrate(MigrateArgs),
     /// Show the oldest pending tasks of a queue in Valkey, decoded.
     Peek(PeekArgs),
+    /// List or retry rows that failed too often (dead letters).
+    #[command(subcommand)]
+    DeadLetters(DeadLettersCommand),
+    /// Delete published rows older than a threshold, in bounded batches.
+    Cleanup(CleanupArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DeadLettersCommand {
+    /// List dead letters.
+    List {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make dead letters deliverable again (after fixing them).
+    Retry {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        /// Every dead letter.
+        #[arg(
+            long,
+            conflicts_with = "event_id",
+            required_unless_present = "event_id"
+        )]
+        all: bool,
+        /// Only these events (repeatable).
+        #[arg(long = "event-id", num_args = 1..)]
+        event_id: Vec<String>,
+    },
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CleanupArgs {
+    #[command(flatten)]
+    pub db: DatabaseArgs,
+    /// Delete rows published longer ago than this (e.g. 7d).
+    #[arg(long, value_parser = parse_positive_duration)]
+    pub older_than: Duration,
+    /// Rows per DELETE.
+    #[arg(long, default_value_t = 10_000, value_parser = parse_positive_usize)]
+    pub batch: usize,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -142,8 +186,8 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_QUEUE", default_value = "default", value_parser = parse_nonempty)]
     pub queue: String,
     /// Routes event names to queues: `order.placed=critical,user.*=low` (first match wins).
-    #[arg(long, env = "OUTBOX_QUEUE_ROUTES", value_delimiter = ',', value_parser = QueueRoute::parse)]
-    pub queue_routes: Vec<QueueRoute>,
+    #[arg(long, env = "OUTBOX_QUEUE_ROUTES", default_value = "", value_parser = parse_routes)]
+    pub queue_routes: QueueRoutes,
     /// asynq MaxRetry of each task (n means n+1 attempts).
     #[arg(long, env = "OUTBOX_TASK_MAX_RETRY", default_value_t = 25, value_parser = clap::value_parser!(i32).range(0..))]
     pub task_max_retry: i32,
@@ -172,6 +216,56 @@ pub struct RunArgs {
     /// On SIGINT/SIGTERM, how long in-flight writes may take before they are abandoned.
     #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
     pub shutdown_timeout: Duration,
+    /// `stream`: logical replication plus the recovery poller; `poll`: the poller alone, for
+    /// PostgreSQL without wal_level=logical.
+    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = Mode::Stream)]
+    pub mode: Mode,
+    /// The poller's idle delay (a full batch re-polls at once).
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s", value_parser = parse_positive_duration)]
+    pub poll_interval: Duration,
+    /// Poll loops in this process (each claims its own rows with SKIP LOCKED).
+    #[arg(long, env = "OUTBOX_POLLERS", default_value_t = 1, value_parser = parse_positive_usize)]
+    pub pollers: usize,
+    /// In stream mode, the recovery poller takes only unpublished rows older than this.
+    #[arg(long, env = "OUTBOX_RECOVERY_GRACE", default_value = "30s", value_parser = parse_duration)]
+    pub recovery_grace: Duration,
+    /// In stream mode, run the recovery poller (backfill, lost slots, skipped rows).
+    #[arg(long, env = "OUTBOX_RECOVERY", default_value_t = true, action = clap::ArgAction::Set)]
+    pub recovery: bool,
+    /// In stream mode, mark delivered rows published (so the recovery poller skips them).
+    #[arg(long, env = "OUTBOX_MARK_PUBLISHED", default_value_t = true, action = clap::ArgAction::Set)]
+    pub mark_published: bool,
+    /// Failed attempts after which a row becomes a dead letter.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 10, value_parser = clap::value_parser!(i32).range(1..))]
+    pub max_attempts: i32,
+    /// Delay before retrying a failed row; doubles per attempt, at most an hour.
+    #[arg(long, env = "OUTBOX_ATTEMPT_BACKOFF", default_value = "10s", value_parser = parse_duration)]
+    pub attempt_backoff: Duration,
+    /// What to do when the slot is missing or invalidated (wal_status = lost): recreate it (the
+    /// poller delivers what the stream missed) or stop with an error.
+    #[arg(long, env = "OUTBOX_ON_SLOT_LOST", value_enum, default_value_t = OnSlotLost::Recreate)]
+    pub on_slot_lost: OnSlotLost,
+    /// In poll mode, LISTEN for the insert trigger's notifications to poll at once.
+    #[arg(long, env = "OUTBOX_POLL_NOTIFY", default_value_t = true, action = clap::ArgAction::Set)]
+    pub poll_notify: bool,
+    /// Delete published rows older than this, periodically (unset: never).
+    #[arg(long, env = "OUTBOX_CLEANUP_OLDER_THAN", value_parser = parse_positive_duration)]
+    pub cleanup_older_than: Option<Duration>,
+    /// How often the periodic cleanup runs.
+    #[arg(long, env = "OUTBOX_CLEANUP_INTERVAL", default_value = "1h", value_parser = parse_positive_duration)]
+    pub cleanup_interval: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    Stream,
+    Poll,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OnSlotLost {
+    Recreate,
+    Stop,
 }
 
 impl DatabaseArgs {
@@ -198,7 +292,7 @@ impl RunArgs {
             type_prefix: self.task_type_prefix.clone(),
             payload_format: self.payload_format,
             default_queue: Arc::from(self.queue.as_str()),
-            routes: self.queue_routes.clone(),
+            routes: self.queue_routes.0.clone(),
             max_retry: self.task_max_retry,
             timeout_secs: i64::try_from(self.task_timeout.as_secs())
                 .unwrap_or(i64::MAX)
@@ -298,6 +392,19 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         return Err("must be greater than zero".into());
     }
     Ok(v)
+}
+
+/// Queue routes, `name=queue` items separated by commas (empty: none).
+#[derive(Debug, Clone, Default)]
+pub struct QueueRoutes(pub Vec<QueueRoute>);
+
+fn parse_routes(s: &str) -> Result<QueueRoutes, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(QueueRoute::parse)
+        .collect::<Result<Vec<_>, _>>()
+        .map(QueueRoutes)
 }
 
 fn parse_table(s: &str) -> Result<TableName, String> {
@@ -406,6 +513,14 @@ mod tests {
             ..v
         };
         assert_eq!(v.display(), "redis://u:***@h:1/0");
+    }
+
+    #[test]
+    fn routes() {
+        assert!(parse_routes("").unwrap().0.is_empty());
+        assert!(parse_routes(" , ").unwrap().0.is_empty());
+        assert_eq!(parse_routes("a=b, c.*=d").unwrap().0.len(), 2);
+        assert!(parse_routes("a=b,oops").is_err());
     }
 
     #[test]

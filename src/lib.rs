@@ -10,6 +10,10 @@
 //!   pipelined) and an in-memory sink for tests.
 //! - [`replication`]: slot/publication setup and checks, the stream loop, the in-flight writes
 //!   and the acknowledgement bookkeeping.
+//! - [`poller`]: the FOR UPDATE SKIP LOCKED recovery/backfill loop, and poll mode.
+//! - [`marker`]: marks rows the stream delivered as published, coalesced, off the hot path.
+//! - [`store`]: the SQL on the outbox table (claim, mark, dead letters, cleanup).
+//! - [`admin`]: operator commands (dead letters, cleanup).
 //! - [`postgres`]: connections (SQL and replication parameters) from one URL.
 //! - [`migrate`]: the embedded goose migrations.
 //! - [`relay`]: `run` wiring: checks, then the stream until shutdown.
@@ -17,14 +21,18 @@
 //! - [`metrics`]: metric names, registered once.
 //! - [`backoff`]: the one capped-exponential retry delay.
 
+pub mod admin;
 pub mod backoff;
 pub mod config;
 pub mod inspect;
+pub mod marker;
 pub mod metrics;
 pub mod migrate;
 pub mod pgoutput;
+pub mod poller;
 pub mod postgres;
 pub mod relay;
 pub mod replication;
 pub mod sink;
+pub mod store;
 pub mod task;

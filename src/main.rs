@@ -3,7 +3,7 @@
 
 use anyhow::Context;
 use clap::Parser;
-use outbox_relay::config::{Cli, Command, LogFormat};
+use outbox_relay::config::{Cli, Command, DeadLettersCommand, LogFormat};
 use outbox_relay::metrics::Metrics;
 use outbox_relay::replication::stream::error_chain;
 use std::process::ExitCode;
@@ -54,6 +54,9 @@ fn validate(command: &Command) -> Result<(), outbox_relay::config::ConfigError> 
         Command::Run(args) => args.validate(),
         Command::Migrate(args) => args.db.target().map(|_| ()),
         Command::Peek(args) => args.valkey.client().map(|_| ()),
+        Command::DeadLetters(DeadLettersCommand::List { db, .. })
+        | Command::DeadLetters(DeadLettersCommand::Retry { db, .. }) => db.target().map(|_| ()),
+        Command::Cleanup(args) => args.db.target().map(|_| ()),
     }
 }
 
@@ -122,6 +125,15 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::DeadLetters(cmd) => dead_letters(cmd).await,
+        Command::Cleanup(args) => {
+            let client = args.db.target()?.connect().await?;
+            let store = outbox_relay::store::Store::new(args.db.table.clone());
+            let n =
+                outbox_relay::admin::cleanup(&client, &store, args.older_than, args.batch).await?;
+            println!("deleted {n} published row(s)");
+            Ok(())
+        }
         Command::Migrate(args) => {
             let pg = args.db.target()?;
             let mut client = pg.connect().await?;
@@ -132,6 +144,30 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
+    match cmd {
+        DeadLettersCommand::List { db, json } => {
+            let client = db.target()?.connect().await?;
+            let rows = outbox_relay::store::Store::new(db.table.clone())
+                .dead_letters(&client)
+                .await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                print!("{}", outbox_relay::admin::render_dead_letters(&rows));
+            }
+        }
+        DeadLettersCommand::Retry { db, all, event_id } => {
+            let client = db.target()?.connect().await?;
+            let store = outbox_relay::store::Store::new(db.table.clone());
+            let ids = (!all).then_some(event_id.as_slice());
+            let n = store.retry_dead_letters(&client, ids).await?;
+            println!("{n} dead letter(s) will be delivered again");
+        }
+    }
+    Ok(())
 }
 
 /// Cancels `token` on SIGINT or SIGTERM.

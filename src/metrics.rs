@@ -47,6 +47,18 @@ pub struct Metrics {
     pub reconnects: Family<TargetLabel, Counter>,
     /// The LSN last acknowledged to Postgres (as a number).
     pub acked_lsn: Gauge<u64, AtomicU64>,
+    /// Poll rounds completed (with or without rows).
+    pub poller_rounds: Counter,
+    /// Poll rounds that failed (retried with backoff).
+    pub poller_errors: Counter,
+    /// Events the poller delivered.
+    pub poller_delivered: Counter,
+    /// The replication slot was found missing or invalidated.
+    pub slot_lost: Counter,
+    /// Rows the stream marked published.
+    pub marked: Counter,
+    /// Row ids not marked because the marking queue was full (the poller re-sends them).
+    pub mark_dropped: Counter,
 }
 
 impl Metrics {
@@ -62,6 +74,12 @@ impl Metrics {
             stream_up: Gauge::default(),
             reconnects: Family::default(),
             acked_lsn: Gauge::default(),
+            poller_rounds: Counter::default(),
+            poller_errors: Counter::default(),
+            poller_delivered: Counter::default(),
+            slot_lost: Counter::default(),
+            marked: Counter::default(),
+            mark_dropped: Counter::default(),
         };
         registry.register(
             "outbox_events_published",
@@ -108,6 +126,41 @@ impl Metrics {
             "The LSN last acknowledged to Postgres",
             m.acked_lsn.clone(),
         );
+        let more: [(&str, &str, &Counter); 6] = [
+            (
+                "outbox_poller_rounds",
+                "Poll rounds completed",
+                &m.poller_rounds,
+            ),
+            (
+                "outbox_poller_errors",
+                "Poll rounds that failed (retried)",
+                &m.poller_errors,
+            ),
+            (
+                "outbox_poller_delivered",
+                "Events the poller delivered",
+                &m.poller_delivered,
+            ),
+            (
+                "outbox_slot_lost",
+                "Times the replication slot was found missing or invalidated",
+                &m.slot_lost,
+            ),
+            (
+                "outbox_rows_marked",
+                "Rows the stream marked published",
+                &m.marked,
+            ),
+            (
+                "outbox_rows_mark_dropped",
+                "Rows not marked published because the marking queue was full",
+                &m.mark_dropped,
+            ),
+        ];
+        for (name, help, c) in more {
+            registry.register(name, help, c.clone());
+        }
         m
     }
 

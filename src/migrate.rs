@@ -18,6 +18,14 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "20240101000200_outbox_relay_publication.sql",
         include_str!("../migrations/20240101000200_outbox_relay_publication.sql"),
     ),
+    (
+        "20240101000300_outbox_relay_attempts.sql",
+        include_str!("../migrations/20240101000300_outbox_relay_attempts.sql"),
+    ),
+    (
+        "20240101000400_outbox_relay_notify.sql",
+        include_str!("../migrations/20240101000400_outbox_relay_notify.sql"),
+    ),
 ];
 
 /// An arbitrary constant: serialises concurrent `migrate` runs.
@@ -56,16 +64,39 @@ pub fn up_section(sql: &str) -> String {
     out
 }
 
-/// The SQL of `sql` for a table and publication other than the defaults.
+/// The SQL of `sql` for a table and publication other than the defaults: each identifier token
+/// of the default names is replaced (names are validated identifiers, so this is safe).
 pub fn render(sql: &str, table: &TableName, publication: &str) -> String {
-    sql.replace("outbox_relay", publication)
-        .replace("ON outbox_events ", &format!("ON {} ", table.sql()))
-        .replace("EXISTS outbox_events ", &format!("EXISTS {} ", table.sql()))
-        .replace("TABLE outbox_events ", &format!("TABLE {} ", table.sql()))
-        .replace(
-            "outbox_events_unpublished_idx",
-            &format!("{}_unpublished_idx", table.table),
-        )
+    let qualified = |name: String| match &table.schema {
+        Some(schema) => format!("{schema}.{name}"),
+        None => name,
+    };
+    let mut out = String::with_capacity(sql.len());
+    let mut token = String::new();
+    let flush = |token: &mut String, out: &mut String| {
+        let replaced = match token.as_str() {
+            "outbox_events" => table.sql(),
+            "outbox_events_unpublished_idx" => format!("{}_unpublished_idx", table.table),
+            // The article's name for the default table; `<table>_dead_letters` otherwise.
+            "outbox_dead_letters" if table.table == "outbox_events" => qualified(token.clone()),
+            "outbox_dead_letters" => qualified(format!("{}_dead_letters", table.table)),
+            "outbox_relay" => publication.to_owned(),
+            "outbox_relay_notify" => qualified(format!("{publication}_notify")),
+            _ => std::mem::take(token),
+        };
+        out.push_str(&replaced);
+        token.clear();
+    };
+    for ch in sql.chars() {
+        if ch.is_ascii_alphanumeric() || ch == '_' {
+            token.push(ch);
+        } else {
+            flush(&mut token, &mut out);
+            out.push(ch);
+        }
+    }
+    flush(&mut token, &mut out);
+    out
 }
 
 /// Applies every migration in one transaction.
@@ -76,6 +107,10 @@ pub async fn migrate(
 ) -> Result<(), MigrateError> {
     let tx = client
         .transaction()
+        .await
+        .map_err(MigrateError::Transaction)?;
+    // The idempotent DROP ... IF EXISTS statements would log notices otherwise.
+    tx.batch_execute("SET LOCAL client_min_messages = warning")
         .await
         .map_err(MigrateError::Transaction)?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
@@ -115,6 +150,10 @@ mod tests {
         assert!(all.contains("CREATE TABLE IF NOT EXISTS app.events ("));
         assert!(all.contains("events_unpublished_idx ON app.events (id)"));
         assert!(all.contains("CREATE PUBLICATION pub_x FOR TABLE app.events WITH"));
+        assert!(all.contains("CREATE OR REPLACE VIEW app.events_dead_letters AS"));
+        assert!(all.contains("pg_notify('pub_x', '')"));
+        assert!(all.contains("FUNCTION app.pub_x_notify()"));
         assert!(!all.contains("outbox_events"));
+        assert!(!all.contains("outbox_relay"));
     }
 }

@@ -18,6 +18,8 @@ pub const APPLICATION_NAME: &str = "outbox-relay";
 pub enum PgError {
     #[error("not a valid PostgreSQL URL: {0}")]
     InvalidUrl(String),
+    #[error("postgres connection failed")]
+    Connection(#[from] tokio_postgres::Error),
     #[error("cannot connect to PostgreSQL at {target}")]
     Connect {
         target: String,
@@ -103,6 +105,25 @@ impl PgTarget {
             }
         });
         Ok(client)
+    }
+
+    /// A connection whose driver the caller polls (for LISTEN/NOTIFY).
+    pub async fn connect_raw(
+        &self,
+    ) -> Result<
+        (
+            tokio_postgres::Client,
+            tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
+        ),
+        PgError,
+    > {
+        self.config
+            .connect(NoTls)
+            .await
+            .map_err(|source| PgError::Connect {
+                target: self.display(),
+                source,
+            })
     }
 
     /// A pool of SQL connections for the poller and periodic queries.

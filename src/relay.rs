@@ -1,16 +1,22 @@
-//! `outbox-relay run`: start-up checks, then the stream until shutdown.
+//! `outbox-relay run`: start-up checks, then the stream (with the recovery poller and the
+//! published-row marker beside it) or the poller alone, until shutdown.
 //!
 //! Takes its configuration and its shutdown token as arguments, so tests drive it in-process.
 
-use crate::config::RunArgs;
+use crate::config::{Mode, RunArgs};
+use crate::marker::Marker;
 use crate::metrics::Metrics;
+use crate::poller::{self, Poller, PollerSettings};
 use crate::postgres::{PgError, PgTarget};
-
 use crate::replication::setup::{self, SetupError};
 use crate::replication::stream::{Stream, StreamError, StreamSettings};
 use crate::sink::valkey::ValkeySink;
 use crate::sink::SinkError;
+use crate::store::Store;
 use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, thiserror::Error)]
@@ -31,18 +37,24 @@ pub enum RelayError {
     Stream(#[from] StreamError),
 }
 
-/// Checks everything a stream needs and creates the publication and slot when missing.
+/// Checks everything the configured mode needs; in stream mode creates the publication and the
+/// slot when missing.
 pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink), RelayError> {
     let pg = args.db.target()?;
     let valkey_client = args.valkey.client()?;
     let client = pg.connect().await?;
-    setup::check_wal_level(&client).await?;
-    setup::check_replication_privilege(&client).await?;
     setup::check_table(&client, &args.db.table).await?;
-    // The publication first: a slot created before it may miss the table's first changes.
-    setup::ensure_publication(&client, &args.db.publication, &args.db.table).await?;
-    let slot = setup::ensure_slot(&client, &args.slot).await?;
-    tracing::info!(slot = %args.slot, confirmed_flush = %slot.confirmed_flush, wal_status = ?slot.wal_status, "slot ready");
+    if args.mode == Mode::Poll || args.recovery {
+        setup::check_poller_columns(&client, &args.db.table).await?;
+    }
+    if args.mode == Mode::Stream {
+        setup::check_wal_level(&client).await?;
+        setup::check_replication_privilege(&client).await?;
+        // The publication first: a slot created before it may miss the table's first changes.
+        setup::ensure_publication(&client, &args.db.publication, &args.db.table).await?;
+        let slot = setup::ensure_slot(&client, &args.slot).await?;
+        tracing::info!(slot = %args.slot, confirmed_flush = %slot.confirmed_flush, wal_status = ?slot.wal_status, "slot ready");
+    }
     let sink = ValkeySink::connect(valkey_client, args.valkey.valkey_timeout)
         .await
         .map_err(|source| RelayError::Valkey {
@@ -79,23 +91,101 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), RelayError> {
     let (pg, sink) = prepare(args).await?;
-    let stream = Stream {
-        pg,
-        settings: StreamSettings {
-            slot: args.slot.clone(),
-            publication: args.db.publication.clone(),
-            table: args.db.table.clone(),
-            batch_rows: args.batch_size,
-            batch_bytes: 8 << 20,
-            max_inflight: args.max_inflight_batches,
-            shutdown_timeout: args.shutdown_timeout,
-            buffer_events: 2048,
-        },
-        tasks: Arc::new(args.task_settings()),
-        sink,
-        metrics,
+    let tasks = Arc::new(args.task_settings());
+    let store = Store::new(args.db.table.clone());
+    let pool = pg.pool(args.pollers + 2);
+    // Background work stops on its own token, after the stream has finished its shutdown.
+    let background = CancellationToken::new();
+    let mut set = JoinSet::new();
+
+    let run_pollers = args.mode == Mode::Poll || args.recovery;
+    if run_pollers {
+        let wake = Arc::new(Notify::new());
+        if args.mode == Mode::Poll && args.poll_notify {
+            set.spawn(poller::listen(
+                pg.clone(),
+                args.db.publication.clone(),
+                wake.clone(),
+                background.clone(),
+            ));
+        }
+        let settings = PollerSettings {
+            batch_size: args.batch_size,
+            chunk_size: args.batch_size.min(100),
+            poll_interval: args.poll_interval,
+            recovery_grace: (args.mode == Mode::Stream).then_some(args.recovery_grace),
+            max_attempts: args.max_attempts,
+            attempt_backoff: args.attempt_backoff,
+        };
+        for _ in 0..args.pollers {
+            let poller = Poller {
+                pool: pool.clone(),
+                store: store.clone(),
+                settings: settings.clone(),
+                tasks: tasks.clone(),
+                sink: sink.clone(),
+                metrics: metrics.clone(),
+                wake: wake.clone(),
+            };
+            let token = background.clone();
+            set.spawn(async move { poller.run(token).await });
+        }
+    }
+    if let Some(older_than) = args.cleanup_older_than {
+        set.spawn(crate::admin::periodic_cleanup(
+            pool.clone(),
+            store.clone(),
+            older_than,
+            args.cleanup_interval,
+            background.clone(),
+        ));
+    }
+
+    let result = match args.mode {
+        Mode::Poll => {
+            tracing::info!(pollers = args.pollers, "running in poll mode");
+            shutdown.cancelled().await;
+            Ok(())
+        }
+        Mode::Stream => {
+            let marker = args.mark_published.then(|| {
+                let (marker, handle) = Marker::new(pool.clone(), store.clone(), metrics.clone());
+                set.spawn(marker.run(background.clone()));
+                handle
+            });
+            let stream = Stream {
+                pg,
+                settings: StreamSettings {
+                    slot: args.slot.clone(),
+                    publication: args.db.publication.clone(),
+                    table: args.db.table.clone(),
+                    batch_rows: args.batch_size,
+                    batch_bytes: 8 << 20,
+                    max_inflight: args.max_inflight_batches,
+                    shutdown_timeout: args.shutdown_timeout,
+                    buffer_events: 2048,
+                    on_slot_lost: args.on_slot_lost,
+                },
+                tasks,
+                sink,
+                metrics,
+                marker,
+            };
+            stream.run(shutdown).await.map_err(RelayError::from)
+        }
     };
-    stream.run(shutdown).await?;
+    background.cancel();
+    let drained = tokio::time::timeout(args.shutdown_timeout.max(Duration::from_secs(1)), async {
+        while set.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            running = set.len(),
+            "background tasks did not stop in time; aborting them"
+        );
+        set.abort_all();
+    }
     tracing::info!("relay stopped");
-    Ok(())
+    result
 }

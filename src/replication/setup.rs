@@ -28,6 +28,12 @@ pub enum SetupError {
     )]
     MissingColumns { table: String, missing: String },
     #[error(
+        "the outbox table {0} lacks the delivery-state columns (attempts, last_error, \
+         next_attempt_at, dead_at) the poller needs: run `outbox-relay migrate` (additive; the Go \
+         kit's relay keeps working)"
+    )]
+    NoDeliveryColumns(String),
+    #[error(
         "publication {publication:?} exists but does not include {table}: run \
          `ALTER PUBLICATION {publication} ADD TABLE {table};` or choose another OUTBOX_PUBLICATION"
     )]
@@ -207,6 +213,32 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
         active_pid: row.get(5),
         wal_status: row.get(6),
     }))
+}
+
+/// Drops the slot if it exists (it must not be in use).
+pub async fn drop_slot(client: &Client, slot: &str) -> Result<(), SetupError> {
+    client
+        .execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Checks the table has the delivery-state columns the poller needs (migration 3).
+pub async fn check_poller_columns(client: &Client, table: &TableName) -> Result<(), SetupError> {
+    let row = client
+        .query_one(
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND NOT attisdropped \
+             AND attname IN ('attempts', 'last_error', 'next_attempt_at', 'dead_at')",
+            &[&table.sql()],
+        )
+        .await?;
+    if row.get::<_, i64>(0) != 4 {
+        return Err(SetupError::NoDeliveryColumns(table.sql()));
+    }
+    Ok(())
 }
 
 /// Creates the slot when missing and returns it.

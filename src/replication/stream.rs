@@ -14,6 +14,8 @@ use super::ack::AckTracker;
 use super::setup::{self, SetupError};
 use super::writer::{Writer, WriterEvent};
 use crate::backoff::Backoff;
+use crate::config::OnSlotLost;
+use crate::marker::MarkerHandle;
 use crate::metrics::{Metrics, TargetLabel};
 use crate::pgoutput::{
     self, DecodeError, Decoded, OutboxColumn, OutboxInsert, RelationCache, TableName,
@@ -43,6 +45,8 @@ pub struct StreamSettings {
     pub shutdown_timeout: Duration,
     /// Events buffered between the socket reader and this loop.
     pub buffer_events: usize,
+    /// What to do when the slot is missing or invalidated.
+    pub on_slot_lost: OnSlotLost,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +59,11 @@ pub enum StreamError {
     Setup(#[from] SetupError),
     #[error(transparent)]
     Postgres(#[from] PgError),
+    #[error(
+        "replication slot {slot:?} is {why}; OUTBOX_ON_SLOT_LOST=stop: events committed while it \
+         was gone are only in the table now (run with OUTBOX_ON_SLOT_LOST=recreate, or OUTBOX_MODE=poll)"
+    )]
+    SlotLost { slot: String, why: &'static str },
 }
 
 impl StreamError {
@@ -64,7 +73,7 @@ impl StreamError {
             StreamError::Replication(PgWireError::Auth(_) | PgWireError::Tls(_)) => false,
             StreamError::Replication(_) | StreamError::Decode(_) | StreamError::Postgres(_) => true,
             StreamError::Setup(SetupError::Query(_)) => true,
-            StreamError::Setup(_) => false,
+            StreamError::Setup(_) | StreamError::SlotLost { .. } => false,
         }
     }
 }
@@ -76,6 +85,8 @@ pub struct Stream<S: Sink> {
     pub tasks: Arc<TaskSettings>,
     pub sink: S,
     pub metrics: Arc<Metrics>,
+    /// Marks delivered rows published, when enabled.
+    pub marker: Option<MarkerHandle>,
 }
 
 /// How a session ended without an error.
@@ -122,10 +133,35 @@ impl<S: Sink> Stream<S> {
         }
     }
 
-    /// The slot's confirmed position, creating the slot when missing.
+    /// The slot's confirmed position. A slot that vanished or was invalidated since start-up
+    /// lost events from the stream's view: say so loudly, count it, and recreate it (the
+    /// recovery poller delivers those events from the table) or stop, as configured.
     async fn slot_position(&self) -> Result<Lsn, StreamError> {
         let client = self.pg.connect().await?;
-        let info = setup::ensure_slot(&client, &self.settings.slot).await?;
+        let slot = &self.settings.slot;
+        let why = match setup::slot_info(&client, slot).await? {
+            Some(info) if info.wal_status.as_deref() != Some("lost") => {
+                return Ok(info.confirmed_flush)
+            }
+            Some(_) => "invalidated (wal_status = lost: the WAL it needed was removed)",
+            None => "missing (dropped)",
+        };
+        self.metrics.slot_lost.inc();
+        tracing::error!(
+            slot = %slot,
+            why,
+            "REPLICATION SLOT LOST: events committed while it was gone cannot come from the stream; \
+             the recovery poller delivers them from the table"
+        );
+        if self.settings.on_slot_lost == OnSlotLost::Stop {
+            return Err(StreamError::SlotLost {
+                slot: slot.clone(),
+                why,
+            });
+        }
+        setup::drop_slot(&client, slot).await?;
+        let info = setup::ensure_slot(&client, slot).await?;
+        tracing::warn!(slot = %slot, lsn = %info.confirmed_flush, "replication slot recreated");
         Ok(info.confirmed_flush)
     }
 
@@ -253,6 +289,9 @@ impl<'a, S: Sink> Session<'a, S> {
                 );
                 self.ack.confirmed(seq);
                 self.report(client);
+                if let Some(marker) = &self.stream.marker {
+                    marker.mark(batch.tasks.iter().filter_map(|t| t.row_id).collect());
+                }
             }
             WriterEvent::Failed { error, retry_in } => {
                 tracing::warn!(

@@ -275,12 +275,18 @@ impl Relay {
     /// exists are the poller's backfill, not the stream's).
     pub async fn start_streaming(args: RunArgs) -> Self {
         let relay = Self::start(args);
-        let m = relay.metrics.clone();
-        eventually("the stream is up", || {
-            let up = m.stream_up.get() == 1;
-            async move { up.then_some(()) }
-        })
-        .await;
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while relay.metrics.stream_up.get() != 1 {
+            if relay.handle.is_finished() {
+                let result = relay.handle.await;
+                panic!("the relay stopped before streaming: {result:?}");
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "gave up waiting for the stream"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         relay
     }
 

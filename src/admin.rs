@@ -1,0 +1,96 @@
+//! Operator commands on the outbox table: dead letters and cleanup (also run periodically inside
+//! `run` when configured). Long work logs its progress at a steady interval.
+
+use crate::store::{DeadLetter, Store};
+use std::fmt::Write;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// How often long work reports progress.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
+/// Deletes published rows older than `older_than` in batches of `batch`; returns the total.
+pub async fn cleanup(
+    client: &tokio_postgres::Client,
+    store: &Store,
+    older_than: Duration,
+    batch: usize,
+) -> Result<u64, tokio_postgres::Error> {
+    let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+    let started = Instant::now();
+    let mut last_report = Instant::now();
+    let mut total = 0u64;
+    loop {
+        let n = store.delete_published(client, older_than, limit).await?;
+        total += n;
+        if n < batch as u64 {
+            break;
+        }
+        if last_report.elapsed() >= PROGRESS_EVERY {
+            last_report = Instant::now();
+            let rate = total as f64 / started.elapsed().as_secs_f64().max(0.001);
+            tracing::info!(
+                deleted = total,
+                rows_per_sec = rate as u64,
+                "cleanup in progress"
+            );
+        }
+    }
+    tracing::info!(
+        deleted = total,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "cleanup done"
+    );
+    Ok(total)
+}
+
+/// Runs [`cleanup`] every `interval` until `shutdown`.
+pub async fn periodic_cleanup(
+    pool: deadpool_postgres::Pool,
+    store: Store,
+    older_than: Duration,
+    interval: Duration,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let result = match pool.get().await {
+            Ok(client) => cleanup(&client, &store, older_than, 10_000)
+                .await
+                .map(|_| ()),
+            Err(e) => {
+                tracing::warn!(error = %e, "periodic cleanup: no postgres connection");
+                continue;
+            }
+        };
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "periodic cleanup failed");
+        }
+    }
+}
+
+/// Dead letters as a compact table.
+pub fn render_dead_letters(rows: &[DeadLetter]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<36}  {:<24}  {:>8}  {:<32}  LAST ERROR",
+        "EVENT ID", "EVENT NAME", "ATTEMPTS", "DEAD SINCE"
+    );
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "{:<36}  {:<24}  {:>8}  {:<32}  {}",
+            r.event_id,
+            r.event_name,
+            r.attempts,
+            r.dead_at,
+            r.last_error.as_deref().unwrap_or("")
+        );
+    }
+    let _ = writeln!(s, "{} dead letter(s)", rows.len());
+    s
+}

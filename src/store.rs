@@ -1,0 +1,226 @@
+//! SQL on the outbox table: claiming unpublished rows (FOR UPDATE SKIP LOCKED), marking them
+//! published or failed, dead letters and cleanup. Statement texts are built once per table.
+//!
+//! Rows are read as text (`::text`), the same representation the replication stream decodes,
+//! so both paths build byte-identical tasks through [`crate::task`].
+
+use crate::pgoutput::TableName;
+use crate::task::RowText;
+use std::time::Duration;
+use tokio_postgres::{GenericClient, Row};
+
+/// A claimed row, as text columns.
+#[derive(Debug, Clone)]
+pub struct ClaimedRow {
+    pub id: i64,
+    pub event_id: String,
+    pub event_name: String,
+    pub payload: String,
+    pub metadata: String,
+    pub created_at: String,
+    pub attempts: i32,
+}
+
+impl ClaimedRow {
+    fn from_row(r: &Row) -> Self {
+        Self {
+            id: r.get(0),
+            event_id: r.get(1),
+            event_name: r.get(2),
+            payload: r.get(3),
+            metadata: r.get(4),
+            created_at: r.get(5),
+            attempts: r.get(6),
+        }
+    }
+
+    /// The row as the task builder reads it.
+    pub fn text(&self) -> RowText<'_> {
+        RowText {
+            id: None,
+            event_id: &self.event_id,
+            event_name: &self.event_name,
+            payload: &self.payload,
+            metadata: Some(&self.metadata),
+            created_at: &self.created_at,
+        }
+    }
+}
+
+/// A dead letter, for operators.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeadLetter {
+    pub id: i64,
+    pub event_id: String,
+    pub event_name: String,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub created_at: String,
+    pub dead_at: String,
+}
+
+/// The statements for one outbox table.
+#[derive(Debug, Clone)]
+pub struct Store {
+    table: TableName,
+    claim: String,
+    claim_recovery: String,
+}
+
+impl Store {
+    pub fn new(table: TableName) -> Self {
+        let t = table.sql();
+        let select = format!(
+            "SELECT id, event_id::text, event_name, payload::text, metadata::text, created_at::text, attempts \
+             FROM {t} WHERE published_at IS NULL AND dead_at IS NULL \
+             AND (next_attempt_at IS NULL OR next_attempt_at <= now())"
+        );
+        Self {
+            claim: format!("{select} ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"),
+            claim_recovery: format!(
+                "{select} AND created_at < now() - make_interval(secs => $2) \
+                 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+            ),
+            table,
+        }
+    }
+
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// Locks up to `limit` deliverable rows no other transaction holds, oldest id first. With
+    /// `older_than`, only rows created at least that long ago (the recovery path beside the
+    /// stream).
+    pub async fn claim(
+        &self,
+        tx: &impl GenericClient,
+        limit: usize,
+        older_than: Option<Duration>,
+    ) -> Result<Vec<ClaimedRow>, tokio_postgres::Error> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = match older_than {
+            None => tx.query(&self.claim, &[&limit]).await?,
+            Some(d) => {
+                tx.query(&self.claim_recovery, &[&limit, &d.as_secs_f64()])
+                    .await?
+            }
+        };
+        Ok(rows.iter().map(ClaimedRow::from_row).collect())
+    }
+
+    /// Marks rows published (rows already marked are left alone).
+    pub async fn mark_published(
+        &self,
+        client: &impl GenericClient,
+        ids: &[i64],
+    ) -> Result<u64, tokio_postgres::Error> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let sql = format!(
+            "UPDATE {} SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL",
+            self.table.sql()
+        );
+        client.execute(&sql, &[&ids]).await
+    }
+
+    /// Records a failed attempt: the next one waits `backoff * 2^(attempts-1)` (at most an
+    /// hour), and the row becomes a dead letter at `max_attempts`.
+    pub async fn mark_failed(
+        &self,
+        client: &impl GenericClient,
+        id: i64,
+        error: &str,
+        backoff: Duration,
+        max_attempts: i32,
+    ) -> Result<bool, tokio_postgres::Error> {
+        let sql = format!(
+            "UPDATE {} SET attempts = attempts + 1, last_error = $2, \
+               next_attempt_at = now() + least(make_interval(secs => $3 * power(2, attempts)), interval '1 hour'), \
+               dead_at = CASE WHEN attempts + 1 >= $4 THEN now() END \
+             WHERE id = $1 RETURNING dead_at IS NOT NULL",
+            self.table.sql()
+        );
+        let row = client
+            .query_one(&sql, &[&id, &error, &backoff.as_secs_f64(), &max_attempts])
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// Unpublished rows and the age of the oldest (seconds).
+    pub async fn unpublished(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<(i64, Option<f64>), tokio_postgres::Error> {
+        let sql = format!(
+            "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8 FROM {} \
+             WHERE published_at IS NULL AND dead_at IS NULL",
+            self.table.sql()
+        );
+        let row = client.query_one(&sql, &[]).await?;
+        Ok((row.get(0), row.get(1)))
+    }
+
+    pub async fn dead_letters(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
+        let sql = format!(
+            "SELECT id, event_id::text, event_name, attempts, last_error, created_at::text, dead_at::text \
+             FROM {} WHERE dead_at IS NOT NULL AND published_at IS NULL ORDER BY id",
+            self.table.sql()
+        );
+        Ok(client
+            .query(&sql, &[])
+            .await?
+            .iter()
+            .map(|r| DeadLetter {
+                id: r.get(0),
+                event_id: r.get(1),
+                event_name: r.get(2),
+                attempts: r.get(3),
+                last_error: r.get(4),
+                created_at: r.get(5),
+                dead_at: r.get(6),
+            })
+            .collect())
+    }
+
+    /// Makes dead letters deliverable again (all of them, or those with the given event ids).
+    pub async fn retry_dead_letters(
+        &self,
+        client: &impl GenericClient,
+        event_ids: Option<&[String]>,
+    ) -> Result<u64, tokio_postgres::Error> {
+        let base = format!(
+            "UPDATE {} SET attempts = 0, dead_at = NULL, next_attempt_at = NULL, last_error = NULL \
+             WHERE dead_at IS NOT NULL AND published_at IS NULL",
+            self.table.sql()
+        );
+        match event_ids {
+            None => client.execute(&base, &[]).await,
+            Some(ids) => {
+                let sql = format!("{base} AND event_id::text = ANY($1)");
+                client.execute(&sql, &[&ids]).await
+            }
+        }
+    }
+
+    /// Deletes up to `limit` rows published more than `older_than` ago; returns how many.
+    pub async fn delete_published(
+        &self,
+        client: &impl GenericClient,
+        older_than: Duration,
+        limit: i64,
+    ) -> Result<u64, tokio_postgres::Error> {
+        let t = self.table.sql();
+        let sql = format!(
+            "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE published_at IS NOT NULL \
+             AND published_at < now() - make_interval(secs => $1) LIMIT $2)"
+        );
+        client
+            .execute(&sql, &[&older_than.as_secs_f64(), &limit])
+            .await
+    }
+}

@@ -1,0 +1,392 @@
+//! The FOR UPDATE SKIP LOCKED poller: poll mode, parallel pollers, backfill, lost slots,
+//! partial success, dead letters and cleanup.
+
+mod common;
+
+use common::*;
+use std::collections::HashSet;
+
+fn poll_mode() -> Vec<&'static str> {
+    vec!["--mode", "poll", "--poll-interval", "200ms"]
+}
+
+async fn unpublished(db: &TestDb) -> i64 {
+    db.client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poll_mode_delivers_every_event_exactly_once() {
+    let db = TestDb::new("pollmode").await;
+    let redis = Redis::start();
+    let mut c = db.client().await;
+    let before = insert_events(&mut c, "order.placed", 1_500, 100).await;
+    let relay = Relay::start(run_args(
+        &db,
+        &redis.url,
+        &[&poll_mode()[..], &["--batch-size", "200"]].concat(),
+    ));
+    let after = insert_events(&mut c, "order.placed", 500, 1).await;
+    let ids: Vec<String> = before.into_iter().chain(after).collect();
+    let pending = wait_pending(&redis, "default", ids.len()).await;
+    assert_eq!(pending, ids, "exactly once, in id order");
+    eventually("all rows marked", || async {
+        (unpublished(&db).await == 0).then_some(())
+    })
+    .await;
+    let mut conn = redis.conn().await;
+    let (msg, state, _) = task(&mut conn, "default", &ids[0]).await.unwrap();
+    assert_eq!(
+        (msg.r#type.as_str(), state.as_str()),
+        ("event:order.placed", "pending")
+    );
+    let env: serde_json::Value = serde_json::from_slice(&msg.payload).unwrap();
+    assert_eq!(env["id"], ids[0]);
+    assert_eq!(relay.metrics.duplicates.get(), 0);
+    relay.stop().await;
+    // No slot in poll mode.
+    assert_eq!(db.confirmed_flush().await, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_pollers_never_claim_the_same_row() {
+    let db = TestDb::new("threepollers").await;
+    let redis = Redis::start();
+    let url = db.url.clone();
+    let producer = tokio::spawn(async move {
+        let mut c = connect(&url).await;
+        insert_events(&mut c, "order.placed", 20_000, 500).await
+    });
+    let relays: Vec<Relay> = (0..3)
+        .map(|_| {
+            Relay::start(run_args(
+                &db,
+                &redis.url,
+                &[&poll_mode()[..], &["--batch-size", "100"]].concat(),
+            ))
+        })
+        .collect();
+    let ids = producer.await.unwrap();
+    let pending = wait_pending(&redis, "default", ids.len()).await;
+    let unique: HashSet<&String> = pending.iter().collect();
+    assert_eq!(unique.len(), 20_000);
+    assert_eq!(unique, ids.iter().collect::<HashSet<_>>());
+    let delivered: Vec<u64> = relays
+        .iter()
+        .map(|r| r.metrics.poller_delivered.get())
+        .collect();
+    // A row claimed twice would be enqueued twice: the second write reports a duplicate.
+    let duplicates: u64 = relays.iter().map(|r| r.metrics.duplicates.get()).sum();
+    assert_eq!(duplicates, 0, "a row was claimed twice");
+    assert_eq!(delivered.iter().sum::<u64>(), 20_000, "{delivered:?}");
+    assert!(
+        delivered.iter().filter(|&&d| d > 0).count() >= 2,
+        "pollers shared the work: {delivered:?}"
+    );
+    for r in relays {
+        r.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_from_before_the_slot_are_backfilled() {
+    let db = TestDb::new("backfill").await;
+    let redis = Redis::start();
+    let mut c = db.client().await;
+    let old = insert_events(&mut c, "before.slot", 300, 50).await;
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &["--recovery-grace", "1s", "--poll-interval", "200ms"],
+    ))
+    .await;
+    let new = insert_events(&mut c, "after.slot", 200, 20).await;
+    let pending = wait_pending(&redis, "default", 500).await;
+    let got: HashSet<&String> = pending.iter().collect();
+    assert_eq!(got.len(), 500);
+    assert!(old.iter().chain(&new).all(|id| got.contains(id)));
+    assert!(
+        relay.metrics.poller_delivered.get() >= 300,
+        "the old rows came from the poller"
+    );
+    relay.stop().await;
+}
+
+/// The slot is dropped under the running relay while events keep arriving: nothing is missing
+/// and the stream is back on a new slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_slot_is_recreated_and_nothing_is_lost() {
+    let db = TestDb::new("slotdrop").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &["--recovery-grace", "1s", "--poll-interval", "200ms"],
+    ))
+    .await;
+    let url = db.url.clone();
+    let producer = tokio::spawn(async move {
+        let mut c = connect(&url).await;
+        let mut ids = Vec::new();
+        for _ in 0..40 {
+            ids.extend(insert_events(&mut c, "order.placed", 50, 10).await);
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        ids
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let admin = db.client().await;
+    // Terminate the walsender and drop the slot before the relay reconnects.
+    eventually("the slot is dropped", || async {
+        let _ = admin
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                &[&db.slot],
+            )
+            .await;
+        admin
+            .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
+            .await
+            .ok()
+            .map(|_| ())
+    })
+    .await;
+    let ids = producer.await.unwrap();
+    let pending = wait_pending(&redis, "default", ids.len()).await;
+    let got: HashSet<&String> = pending.iter().collect();
+    assert!(ids.iter().all(|id| got.contains(id)), "an event is missing");
+    assert!(relay.metrics.slot_lost.get() >= 1);
+    db.wait_slot_active().await;
+    assert_eq!(relay.metrics.stream_up.get(), 1, "the stream is back");
+    relay.stop().await;
+}
+
+/// Valkey refuses writes partway through a batch (maxmemory, noeviction): the rows enqueued
+/// before the failure are marked, the rest stay unpublished, and all arrive once it recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_failing_mid_batch_keeps_partial_success() {
+    let db = TestDb::new("midbatch").await;
+    let redis = Redis::start();
+    let mut conn = redis.conn().await;
+    let c = db.client().await;
+    // 1,000 rows of ~2 KB: about 2 MB of tasks.
+    let ids: Vec<String> = c
+        .query(
+            "INSERT INTO outbox_events (event_id, event_name, payload)
+             SELECT gen_random_uuid(), 'order.placed', jsonb_build_object('blob', repeat('x', 2000))
+             FROM generate_series(1, 1000) RETURNING event_id::text",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let used: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let used: u64 = used
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // Room for a few hundred of them, not a thousand.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(used + 800_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let relay = Relay::start(run_args(
+        &db,
+        &redis.url,
+        &[&poll_mode()[..], &["--batch-size", "1000"]].concat(),
+    ));
+    eventually("a round fails partway", || async {
+        (relay.metrics.poller_errors.get() > 0).then_some(())
+    })
+    .await;
+    let marked: Vec<String> = c
+        .query(
+            "SELECT event_id::text FROM outbox_events WHERE published_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(
+        !marked.is_empty() && marked.len() < 1_000,
+        "partial: {} marked",
+        marked.len()
+    );
+    for id in &marked {
+        assert!(
+            task(&mut conn, "default", id).await.is_some(),
+            "marked {id} without a task"
+        );
+    }
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(0)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let pending = wait_pending(&redis, "default", ids.len()).await;
+    assert_eq!(
+        pending.iter().collect::<HashSet<_>>(),
+        ids.iter().collect::<HashSet<_>>()
+    );
+    eventually("all marked", || async {
+        (unpublished(&db).await == 0).then_some(())
+    })
+    .await;
+    relay.stop().await;
+}
+
+fn relay_cmd(args: &[&str], db: &TestDb) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .args(args)
+        .env("OUTBOX_DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_row_becomes_a_dead_letter_and_can_be_retried() {
+    let db = TestDb::new("poison").await;
+    let redis = Redis::start();
+    let c = db.client().await;
+    c.batch_execute(&format!(
+        "INSERT INTO outbox_events (event_id, event_name, payload) VALUES
+            ('00000000-0000-4000-8000-000000000001', 'ok', '{{}}'),
+            ('00000000-0000-4000-8000-000000000002', 'poison', '{{\"blob\": \"{}\"}}'),
+            ('00000000-0000-4000-8000-000000000003', 'ok', '{{}}');",
+        "z".repeat(5000)
+    ))
+    .await
+    .unwrap();
+    let relay = Relay::start(run_args(
+        &db,
+        &redis.url,
+        &[
+            &poll_mode()[..],
+            &[
+                "--max-payload-bytes",
+                "4KiB",
+                "--max-attempts",
+                "3",
+                "--attempt-backoff",
+                "50ms",
+            ],
+        ]
+        .concat(),
+    ));
+    assert_eq!(
+        wait_pending(&redis, "default", 2).await,
+        [
+            "00000000-0000-4000-8000-000000000001",
+            "00000000-0000-4000-8000-000000000003"
+        ]
+    );
+    let listed = eventually("the poison row is a dead letter", || async {
+        let out = relay_cmd(&["dead-letters", "list", "--json"], &db);
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+        (rows.len() == 1).then_some(rows)
+    })
+    .await;
+    assert_eq!(
+        listed[0]["event_id"],
+        "00000000-0000-4000-8000-000000000002"
+    );
+    assert_eq!(listed[0]["attempts"], 3);
+    assert!(listed[0]["last_error"]
+        .as_str()
+        .unwrap()
+        .contains("over the 4096-byte limit"));
+    let view: i64 = c
+        .query_one("SELECT count(*) FROM outbox_dead_letters", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(view, 1, "the view lists it");
+    // Others keep flowing past the dead letter.
+    c.batch_execute("INSERT INTO outbox_events (event_id, event_name, payload) VALUES ('00000000-0000-4000-8000-000000000004', 'ok', '{}')")
+        .await
+        .unwrap();
+    wait_pending(&redis, "default", 3).await;
+    // Fixed, then retried.
+    c.batch_execute(
+        "UPDATE outbox_events SET payload = '{\"blob\": \"small\"}' WHERE event_name = 'poison'",
+    )
+    .await
+    .unwrap();
+    let out = relay_cmd(
+        &[
+            "dead-letters",
+            "retry",
+            "--event-id",
+            "00000000-0000-4000-8000-000000000002",
+        ],
+        &db,
+    );
+    assert!(out.contains("1 dead letter"), "{out}");
+    let pending = wait_pending(&redis, "default", 4).await;
+    assert_eq!(pending[3], "00000000-0000-4000-8000-000000000002");
+    assert!(relay_cmd(&["dead-letters", "list"], &db).contains("0 dead letter(s)"));
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_removes_only_old_published_rows() {
+    let db = TestDb::new("cleanup").await;
+    let c = db.client().await;
+    c.batch_execute(
+        "INSERT INTO outbox_events (event_id, event_name, payload, published_at) VALUES
+            (gen_random_uuid(), 'old.published', '{}', now() - interval '10 days'),
+            (gen_random_uuid(), 'old.published', '{}', now() - interval '8 days'),
+            (gen_random_uuid(), 'new.published', '{}', now() - interval '1 day'),
+            (gen_random_uuid(), 'unpublished', '{}', NULL);
+         INSERT INTO outbox_events (event_id, event_name, payload, created_at) VALUES
+            (gen_random_uuid(), 'old.unpublished', '{}', now() - interval '30 days');",
+    )
+    .await
+    .unwrap();
+    let out = relay_cmd(&["cleanup", "--older-than", "7d", "--batch", "1"], &db);
+    assert!(out.contains("deleted 2"), "{out}");
+    let left: Vec<String> = c
+        .query("SELECT event_name FROM outbox_events ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["new.published", "unpublished", "old.unpublished"]);
+}
