@@ -40,6 +40,22 @@ pub enum Command {
     DeadLetters(DeadLettersCommand),
     /// Delete published rows older than a threshold, in bounded batches.
     Cleanup(CleanupArgs),
+    /// Slot, publication, backlog, dead letters and Valkey queues at a glance.
+    Status(StatusArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub db: DatabaseArgs,
+    #[command(flatten)]
+    pub valkey: ValkeyArgs,
+    /// The replication slot.
+    #[arg(long, env = "OUTBOX_SLOT", default_value = "outbox_relay", value_parser = parse_identifier)]
+    pub slot: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -254,6 +270,19 @@ pub struct RunArgs {
     /// How often the periodic cleanup runs.
     #[arg(long, env = "OUTBOX_CLEANUP_INTERVAL", default_value = "1h", value_parser = parse_positive_duration)]
     pub cleanup_interval: Duration,
+    /// Where /metrics, /healthz and /readyz are served (loopback unless set otherwise).
+    #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9187")]
+    pub metrics_addr: std::net::SocketAddr,
+    /// How often pending rows, dead letters, slot lag and reachability are refreshed.
+    #[arg(long, env = "OUTBOX_HEALTH_INTERVAL", default_value = "10s", value_parser = parse_positive_duration)]
+    pub health_interval: Duration,
+    /// Emit a heartbeat through the slot this often (stream mode; unset: off). Keeps an idle
+    /// slot advancing and lets a stalled stream be noticed.
+    #[arg(long, env = "OUTBOX_HEARTBEAT_INTERVAL", value_parser = parse_positive_duration)]
+    pub heartbeat_interval: Option<Duration>,
+    /// A heartbeat not back through the stream after this long marks the stream stalled.
+    #[arg(long, env = "OUTBOX_STALL_AFTER", default_value = "60s", value_parser = parse_positive_duration)]
+    pub stall_after: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -18,21 +18,27 @@
 //! - [`migrate`]: the embedded goose migrations.
 //! - [`relay`]: `run` wiring: checks, then the stream until shutdown.
 //! - [`inspect`]: `peek`, the pending tasks of a queue decoded (an operator tool).
-//! - [`metrics`]: metric names, registered once.
+//! - [`metrics`]: metric names, registered once; [`health`]: what `/readyz` answers from;
+//!   [`http`]: `/metrics`, `/healthz`, `/readyz`; [`monitor`]: periodic gauges, reachability,
+//!   heartbeat and stall detection; [`status`]: the `status` command.
 //! - [`backoff`]: the one capped-exponential retry delay.
 
 pub mod admin;
 pub mod backoff;
 pub mod config;
+pub mod health;
+pub mod http;
 pub mod inspect;
 pub mod marker;
 pub mod metrics;
 pub mod migrate;
+pub mod monitor;
 pub mod pgoutput;
 pub mod poller;
 pub mod postgres;
 pub mod relay;
 pub mod replication;
 pub mod sink;
+pub mod status;
 pub mod store;
 pub mod task;

@@ -57,6 +57,10 @@ fn validate(command: &Command) -> Result<(), outbox_relay::config::ConfigError> 
         Command::DeadLetters(DeadLettersCommand::List { db, .. })
         | Command::DeadLetters(DeadLettersCommand::Retry { db, .. }) => db.target().map(|_| ()),
         Command::Cleanup(args) => args.db.target().map(|_| ()),
+        Command::Status(args) => {
+            args.db.target()?;
+            args.valkey.client().map(|_| ())
+        }
     }
 }
 
@@ -108,7 +112,46 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             let metrics = Arc::new(Metrics::new(&mut registry));
             let shutdown = CancellationToken::new();
             tokio::spawn(wait_for_signal(shutdown.clone()));
-            outbox_relay::relay::run(&args, metrics, shutdown).await?;
+            let listener = tokio::net::TcpListener::bind(args.metrics_addr)
+                .await
+                .with_context(|| {
+                    format!("cannot listen on OUTBOX_METRICS_ADDR {}", args.metrics_addr)
+                })?;
+            let http_stop = CancellationToken::new();
+            let http = tokio::spawn(outbox_relay::http::serve(
+                listener,
+                Arc::new(registry),
+                metrics.clone(),
+                http_stop.clone(),
+            ));
+            let result = outbox_relay::relay::run(&args, metrics, shutdown).await;
+            http_stop.cancel();
+            let _ = http.await;
+            result?;
+            Ok(())
+        }
+        Command::Status(args) => {
+            let client = args.db.target()?.connect().await?;
+            let valkey = match args.valkey.client()?.get_connection_manager().await {
+                Ok(conn) => Some(conn),
+                Err(e) => {
+                    tracing::warn!(error = %e, valkey = %args.valkey.display(), "valkey unreachable");
+                    None
+                }
+            };
+            let status = outbox_relay::status::collect(
+                &client,
+                valkey,
+                &args.db.table,
+                &args.db.publication,
+                &args.slot,
+            )
+            .await?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print!("{}", outbox_relay::status::render(&status));
+            }
             Ok(())
         }
         Command::Peek(args) => {

@@ -59,6 +59,18 @@ pub struct Metrics {
     pub marked: Counter,
     /// Row ids not marked because the marking queue was full (the poller re-sends them).
     pub mark_dropped: Counter,
+    /// Unpublished rows (refreshed by the monitor).
+    pub pending: Gauge,
+    /// Dead letters (refreshed by the monitor).
+    pub dead_letters: Gauge,
+    /// Current WAL position minus the slot's confirmed position (refreshed by the monitor).
+    pub lag_bytes: Gauge<u64, AtomicU64>,
+    /// Commit time to Valkey confirmation, per event (stream).
+    pub delivery_latency: Histogram,
+    /// 1 while the heartbeat says the stream is stalled.
+    pub stream_stalled: Gauge,
+    /// Liveness of the dependencies, for /readyz.
+    pub health: crate::health::Health,
 }
 
 impl Metrics {
@@ -80,6 +92,12 @@ impl Metrics {
             slot_lost: Counter::default(),
             marked: Counter::default(),
             mark_dropped: Counter::default(),
+            pending: Gauge::default(),
+            dead_letters: Gauge::default(),
+            lag_bytes: Gauge::default(),
+            delivery_latency: Histogram::new(exponential_buckets(0.0005, 2.0, 18)),
+            stream_stalled: Gauge::default(),
+            health: crate::health::Health::default(),
         };
         registry.register(
             "outbox_events_published",
@@ -161,6 +179,31 @@ impl Metrics {
         for (name, help, c) in more {
             registry.register(name, help, c.clone());
         }
+        registry.register(
+            "outbox_events_pending",
+            "Unpublished outbox rows",
+            m.pending.clone(),
+        );
+        registry.register(
+            "outbox_dead_letters",
+            "Rows that failed too often and wait for an operator",
+            m.dead_letters.clone(),
+        );
+        registry.register(
+            "outbox_replication_lag_bytes",
+            "Current WAL position minus the slot's confirmed position",
+            m.lag_bytes.clone(),
+        );
+        registry.register(
+            "outbox_delivery_latency_seconds",
+            "Commit in Postgres to confirmation in Valkey, per event (stream)",
+            m.delivery_latency.clone(),
+        );
+        registry.register(
+            "outbox_stream_stalled",
+            "1 while heartbeats are not coming back through the stream",
+            m.stream_stalled.clone(),
+        );
         m
     }
 

@@ -6,6 +6,7 @@
 use crate::config::{Mode, RunArgs};
 use crate::marker::Marker;
 use crate::metrics::Metrics;
+use crate::monitor::{Monitor, MonitorSettings};
 use crate::poller::{self, Poller, PollerSettings};
 use crate::postgres::{PgError, PgTarget};
 use crate::replication::setup::{self, SetupError};
@@ -91,6 +92,9 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), RelayError> {
     let (pg, sink) = prepare(args).await?;
+    metrics.health.set_postgres(true);
+    metrics.health.set_valkey(true);
+    metrics.health.set_running(true, args.mode == Mode::Stream);
     let tasks = Arc::new(args.task_settings());
     let store = Store::new(args.db.table.clone());
     let pool = pg.pool(args.pollers + 2);
@@ -131,6 +135,23 @@ pub async fn run(
             set.spawn(async move { poller.run(token).await });
         }
     }
+    set.spawn(
+        Monitor {
+            pool: pool.clone(),
+            store: store.clone(),
+            valkey: sink.connection(),
+            settings: MonitorSettings {
+                interval: args.health_interval,
+                heartbeat: args
+                    .heartbeat_interval
+                    .filter(|_| args.mode == Mode::Stream),
+                stall_after: args.stall_after,
+                slot: (args.mode == Mode::Stream).then(|| args.slot.clone()),
+            },
+            metrics: metrics.clone(),
+        }
+        .run(background.clone()),
+    );
     if let Some(older_than) = args.cleanup_older_than {
         set.spawn(crate::admin::periodic_cleanup(
             pool.clone(),
@@ -168,12 +189,13 @@ pub async fn run(
                 },
                 tasks,
                 sink,
-                metrics,
+                metrics: metrics.clone(),
                 marker,
             };
             stream.run(shutdown).await.map_err(RelayError::from)
         }
     };
+    metrics.health.set_running(false, false);
     background.cancel();
     let drained = tokio::time::timeout(args.shutdown_timeout.max(Duration::from_secs(1)), async {
         while set.join_next().await.is_some() {}

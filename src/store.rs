@@ -162,6 +162,17 @@ impl Store {
         Ok((row.get(0), row.get(1)))
     }
 
+    pub async fn dead_letters_count(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<i64, tokio_postgres::Error> {
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE dead_at IS NOT NULL AND published_at IS NULL",
+            self.table.sql()
+        );
+        Ok(client.query_one(&sql, &[]).await?.get(0))
+    }
+
     pub async fn dead_letters(
         &self,
         client: &impl GenericClient,

@@ -17,6 +17,7 @@ use crate::backoff::Backoff;
 use crate::config::OnSlotLost;
 use crate::marker::MarkerHandle;
 use crate::metrics::{Metrics, TargetLabel};
+use crate::monitor::HEARTBEAT_PREFIX;
 use crate::pgoutput::{
     self, DecodeError, Decoded, OutboxColumn, OutboxInsert, RelationCache, TableName,
 };
@@ -208,6 +209,8 @@ struct Session<'a, S: Sink> {
     scratch: Vec<u8>,
     /// The current transaction's final LSN, for logs.
     txn_lsn: Lsn,
+    /// The current transaction's commit time, unix microseconds.
+    txn_commit_micros: i64,
 }
 
 impl<'a, S: Sink> Session<'a, S> {
@@ -225,6 +228,7 @@ impl<'a, S: Sink> Session<'a, S> {
             ),
             scratch: Vec::with_capacity(4096),
             txn_lsn: Lsn::ZERO,
+            txn_commit_micros: 0,
         }
     }
 
@@ -289,6 +293,7 @@ impl<'a, S: Sink> Session<'a, S> {
                 );
                 self.ack.confirmed(seq);
                 self.report(client);
+                observe_latency(&m.delivery_latency, &batch.commit_times);
                 if let Some(marker) = &self.stream.marker {
                     marker.mark(batch.tasks.iter().filter_map(|t| t.row_id).collect());
                 }
@@ -309,8 +314,13 @@ impl<'a, S: Sink> Session<'a, S> {
         client: &ReplicationClient,
     ) -> Result<(), StreamError> {
         match ev {
-            ReplicationEvent::Begin { final_lsn, .. } => {
+            ReplicationEvent::Begin {
+                final_lsn,
+                commit_time_micros,
+                ..
+            } => {
                 self.txn_lsn = final_lsn;
+                self.txn_commit_micros = commit_time_micros + PG_EPOCH_UNIX_MICROS;
                 self.ack.begin();
             }
             ReplicationEvent::XLogData { data, .. } => self.on_data(&data)?,
@@ -325,8 +335,12 @@ impl<'a, S: Sink> Session<'a, S> {
             ReplicationEvent::Message {
                 transactional: false,
                 lsn,
+                prefix,
                 ..
             } => {
+                if prefix == HEARTBEAT_PREFIX {
+                    self.stream.metrics.health.heartbeat_seen(lsn.0);
+                }
                 self.ack.idle_position(lsn);
                 self.report(client);
             }
@@ -370,7 +384,7 @@ impl<'a, S: Sink> Session<'a, S> {
             row_text(row).and_then(|text| self.stream.tasks.build(&text, &mut self.scratch));
         match built {
             Ok(task) => {
-                self.open.push(task);
+                self.open.push_committed(task, self.txn_commit_micros);
                 self.ack.row();
             }
             Err(bad) => {
@@ -415,6 +429,22 @@ impl<'a, S: Sink> Session<'a, S> {
         }
         tracing::info!(lsn = %self.ack.acked(), "final acknowledgement sent");
         let _ = tokio::time::timeout(Duration::from_secs(3), client.shutdown()).await;
+    }
+}
+
+/// Postgres timestamps count microseconds from 2000-01-01.
+const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
+
+/// Commit-to-confirmation latency of every task of a confirmed batch.
+fn observe_latency(h: &prometheus_client::metrics::histogram::Histogram, commits: &[(i64, u32)]) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64);
+    for &(at, n) in commits {
+        let secs = (now - at).max(0) as f64 / 1e6;
+        for _ in 0..n {
+            h.observe(secs);
+        }
     }
 }
 

@@ -15,12 +15,23 @@ pub struct Batch {
     pub tasks: Vec<Task>,
     /// Payload bytes in `tasks`, to bound a batch by size as well as by count.
     pub bytes: usize,
+    /// Commit times of the tasks (unix microseconds), run-length encoded: (time, tasks).
+    pub commit_times: Vec<(i64, u32)>,
 }
 
 impl Batch {
     pub fn push(&mut self, task: Task) {
         self.bytes += task.msg.len();
         self.tasks.push(task);
+    }
+
+    /// Adds a task committed at `commit_unix_micros`.
+    pub fn push_committed(&mut self, task: Task, commit_unix_micros: i64) {
+        self.push(task);
+        match self.commit_times.last_mut() {
+            Some((t, n)) if *t == commit_unix_micros => *n += 1,
+            _ => self.commit_times.push((commit_unix_micros, 1)),
+        }
     }
 
     pub fn len(&self) -> usize {

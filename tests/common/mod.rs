@@ -250,9 +250,11 @@ pub fn run_args(db: &TestDb, redis_url: &str, extra: &[&str]) -> RunArgs {
     }
 }
 
-/// The relay running in-process.
+/// The relay running in-process, with its HTTP endpoint on a free loopback port.
 pub struct Relay {
     pub metrics: Arc<Metrics>,
+    /// Where /metrics, /healthz and /readyz answer.
+    pub http: std::net::SocketAddr,
     token: CancellationToken,
     handle: tokio::task::JoinHandle<Result<(), outbox_relay::relay::RelayError>>,
 }
@@ -260,15 +262,32 @@ pub struct Relay {
 impl Relay {
     pub fn start(args: RunArgs) -> Self {
         init_logs();
-        let metrics = Arc::new(Metrics::unregistered());
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = Arc::new(Metrics::new(&mut registry));
         let token = CancellationToken::new();
+        let std_listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        std_listener.set_nonblocking(true).unwrap();
+        let http = std_listener.local_addr().unwrap();
+        let listener = tokio::net::TcpListener::from_std(std_listener).unwrap();
+        tokio::spawn(outbox_relay::http::serve(
+            listener,
+            Arc::new(registry),
+            metrics.clone(),
+            token.clone(),
+        ));
         let (m, t) = (metrics.clone(), token.clone());
         let handle = tokio::spawn(async move { outbox_relay::relay::run(&args, m, t).await });
         Self {
             metrics,
+            http,
             token,
             handle,
         }
+    }
+
+    /// GET `path` from the relay's HTTP endpoint: (status, body).
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        http_get(self.http, path).await
     }
 
     /// Starts the relay and waits until its stream is up (rows committed before the slot
@@ -318,6 +337,7 @@ impl RelayProcess {
             .env("OUTBOX_DATABASE_URL", &db.url)
             .env("OUTBOX_VALKEY_URL", redis_url)
             .env("OUTBOX_SLOT", &db.slot)
+            .env("OUTBOX_METRICS_ADDR", "127.0.0.1:0")
             .stdout(Stdio::null())
             .stderr(file)
             .kill_on_drop(true)
@@ -458,4 +478,33 @@ pub fn init_logs() {
             .with_test_writer()
             .try_init();
     });
+}
+
+/// A minimal HTTP/1.1 GET: (status, body).
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    stream.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    stream.read_to_end(&mut buf).await.unwrap();
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// The value of an unlabelled metric in Prometheus text.
+pub fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
 }

@@ -1,0 +1,123 @@
+//! What `/readyz` answers from: the dependencies' last observed state (the monitor refreshes
+//! it) and the heartbeats the stream has not yet seen come back.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Shared liveness state. All methods are cheap and never block on I/O.
+#[derive(Debug, Default)]
+pub struct Health {
+    postgres_ok: AtomicBool,
+    valkey_ok: AtomicBool,
+    /// Set once the relay runs; `/readyz` is false before.
+    running: AtomicBool,
+    /// In stream mode the stream must be up to be ready.
+    needs_stream: AtomicBool,
+    /// Heartbeats emitted and not yet seen on the stream: (LSN, when).
+    unseen: Mutex<VecDeque<(u64, Instant)>>,
+    /// The newest heartbeat LSN the stream delivered.
+    seen: AtomicU64,
+}
+
+/// Why the relay is not ready.
+pub type NotReady = Vec<&'static str>;
+
+impl Health {
+    pub fn set_postgres(&self, ok: bool) {
+        self.postgres_ok.store(ok, Ordering::Relaxed);
+    }
+
+    pub fn set_valkey(&self, ok: bool) {
+        self.valkey_ok.store(ok, Ordering::Relaxed);
+    }
+
+    pub fn set_running(&self, running: bool, needs_stream: bool) {
+        self.needs_stream.store(needs_stream, Ordering::Relaxed);
+        self.running.store(running, Ordering::Relaxed);
+    }
+
+    /// A heartbeat message was written at `lsn`.
+    pub fn heartbeat_emitted(&self, lsn: u64) {
+        let mut q = self.unseen.lock().expect("health lock");
+        if q.len() >= 1024 {
+            q.pop_front();
+        }
+        q.push_back((lsn, Instant::now()));
+    }
+
+    /// The stream delivered a heartbeat message at `lsn`.
+    pub fn heartbeat_seen(&self, lsn: u64) {
+        self.seen.fetch_max(lsn, Ordering::Relaxed);
+    }
+
+    /// How long the oldest heartbeat the stream has not delivered has been waiting.
+    pub fn heartbeat_wait(&self) -> Option<Duration> {
+        let seen = self.seen.load(Ordering::Relaxed);
+        let mut q = self.unseen.lock().expect("health lock");
+        while q.front().is_some_and(|(lsn, _)| *lsn <= seen) {
+            q.pop_front();
+        }
+        q.front().map(|(_, at)| at.elapsed())
+    }
+
+    /// `Ok` when the relay can deliver; otherwise the reasons.
+    pub fn ready(&self, stream_up: bool, stalled: bool) -> Result<(), NotReady> {
+        let mut why = Vec::new();
+        if !self.running.load(Ordering::Relaxed) {
+            why.push("not running");
+        }
+        if !self.postgres_ok.load(Ordering::Relaxed) {
+            why.push("postgres unreachable");
+        }
+        if !self.valkey_ok.load(Ordering::Relaxed) {
+            why.push("valkey unreachable");
+        }
+        if self.needs_stream.load(Ordering::Relaxed) && !stream_up {
+            why.push("replication stream down");
+        }
+        if stalled {
+            why.push("stream stalled (heartbeats not coming back)");
+        }
+        if why.is_empty() {
+            Ok(())
+        } else {
+            Err(why)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_needs_every_dependency() {
+        let h = Health::default();
+        assert!(h.ready(true, false).is_err());
+        h.set_running(true, true);
+        h.set_postgres(true);
+        h.set_valkey(true);
+        assert!(h.ready(true, false).is_ok());
+        assert_eq!(
+            h.ready(false, false).unwrap_err(),
+            vec!["replication stream down"]
+        );
+        h.set_valkey(false);
+        assert_eq!(h.ready(true, true).unwrap_err().len(), 2);
+    }
+
+    #[test]
+    fn heartbeats_are_waited_for_until_seen() {
+        let h = Health::default();
+        assert!(h.heartbeat_wait().is_none());
+        h.heartbeat_emitted(10);
+        h.heartbeat_emitted(20);
+        assert!(h.heartbeat_wait().is_some());
+        h.heartbeat_seen(10);
+        assert!(h.heartbeat_wait().is_some(), "20 is still unseen");
+        h.heartbeat_seen(25);
+        assert!(h.heartbeat_wait().is_none());
+    }
+}

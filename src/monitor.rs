@@ -1,0 +1,172 @@
+//! Periodic, cheap observation: unpublished rows and their age, dead letters, the slot's lag,
+//! Postgres and Valkey reachability (for `/readyz`), the optional heartbeat through the slot,
+//! and progress logs while the poller works through a backlog.
+
+use crate::metrics::Metrics;
+use crate::store::Store;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// The prefix of the relay's heartbeat messages (`pg_logical_emit_message`).
+pub const HEARTBEAT_PREFIX: &str = "outbox-relay";
+
+/// How the monitor runs.
+#[derive(Debug, Clone)]
+pub struct MonitorSettings {
+    pub interval: Duration,
+    /// Emit a heartbeat through the slot this often (stream mode), if set.
+    pub heartbeat: Option<Duration>,
+    /// A heartbeat not seen on the stream for this long means the stream is stalled.
+    pub stall_after: Duration,
+    /// The slot, in stream mode.
+    pub slot: Option<String>,
+}
+
+pub struct Monitor {
+    pub pool: deadpool_postgres::Pool,
+    pub store: Store,
+    pub valkey: redis::aio::ConnectionManager,
+    pub settings: MonitorSettings,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Monitor {
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let mut last_heartbeat: Option<Instant> = None;
+        let mut progress = Progress::default();
+        loop {
+            self.observe_postgres().await;
+            self.observe_valkey().await;
+            if let Some(every) = self.settings.heartbeat {
+                if last_heartbeat.is_none_or(|t| t.elapsed() >= every) {
+                    last_heartbeat = Some(Instant::now());
+                    self.heartbeat().await;
+                }
+                self.check_stall();
+            }
+            progress.log(&self.metrics);
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(self.settings.interval) => {}
+            }
+        }
+    }
+
+    async fn observe_postgres(&self) {
+        let ok = self.query_postgres().await;
+        if let Err(e) = &ok {
+            tracing::debug!(error = %crate::replication::stream::error_chain(e), "postgres check failed");
+        }
+        self.metrics.health.set_postgres(ok.is_ok());
+    }
+
+    async fn query_postgres(&self) -> Result<(), MonitorError> {
+        let client = self.pool.get().await?;
+        let (pending, _) = self.store.unpublished(&**client).await?;
+        self.metrics.pending.set(pending);
+        let dead = self.store.dead_letters_count(&**client).await?;
+        self.metrics.dead_letters.set(dead);
+        if let Some(slot) = &self.settings.slot {
+            let row = client
+                .query_opt(
+                    "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint, wal_status \
+                     FROM pg_replication_slots WHERE slot_name = $1",
+                    &[slot],
+                )
+                .await?;
+            if let Some(row) = row {
+                let lag: Option<i64> = row.get(0);
+                self.metrics.lag_bytes.set(lag.unwrap_or(0).max(0) as u64);
+                if row.get::<_, Option<String>>(1).as_deref() == Some("lost") {
+                    tracing::error!(slot = %slot, "replication slot invalidated (wal_status = lost); the stream recreates it on reconnect and the poller delivers what it missed");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn observe_valkey(&mut self) {
+        let pong: redis::RedisResult<String> =
+            redis::cmd("PING").query_async(&mut self.valkey).await;
+        self.metrics.health.set_valkey(pong.is_ok());
+    }
+
+    async fn heartbeat(&self) {
+        let emitted = async {
+            let client = self.pool.get().await?;
+            let row = client
+                .query_one(
+                    "SELECT (pg_logical_emit_message(false, $1, now()::text) - '0/0'::pg_lsn)::bigint",
+                    &[&HEARTBEAT_PREFIX],
+                )
+                .await?;
+            Ok::<i64, MonitorError>(row.get(0))
+        }
+        .await;
+        match emitted {
+            Ok(lsn) => self.metrics.health.heartbeat_emitted(lsn.max(0) as u64),
+            Err(e) => {
+                tracing::warn!(error = %crate::replication::stream::error_chain(&e), "heartbeat failed")
+            }
+        }
+    }
+
+    fn check_stall(&self) {
+        let stalled = self
+            .metrics
+            .health
+            .heartbeat_wait()
+            .is_some_and(|w| w >= self.settings.stall_after);
+        let was = self.metrics.stream_stalled.get() == 1;
+        if stalled && !was {
+            tracing::error!(
+                after_secs = self.settings.stall_after.as_secs(),
+                "stream stalled: a heartbeat written to the WAL has not come back through the slot"
+            );
+        } else if !stalled && was {
+            tracing::info!("stream recovered: heartbeats come back again");
+        }
+        self.metrics.stream_stalled.set(i64::from(stalled));
+    }
+}
+
+/// Logs the poller's progress through a backlog at a steady interval.
+#[derive(Default)]
+struct Progress {
+    last: Option<(Instant, u64)>,
+}
+
+impl Progress {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn log(&mut self, m: &Metrics) {
+        let done = m.poller_delivered.get();
+        let Some((at, before)) = self.last else {
+            self.last = Some((Instant::now(), done));
+            return;
+        };
+        if at.elapsed() < Self::EVERY {
+            return;
+        }
+        let delta = done - before;
+        if delta > 0 {
+            let rate = delta as f64 / at.elapsed().as_secs_f64();
+            tracing::info!(
+                rows_done = done,
+                rows_per_sec = rate as u64,
+                remaining = m.pending.get(),
+                "poller progress"
+            );
+        }
+        self.last = Some((Instant::now(), done));
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum MonitorError {
+    #[error("cannot get a postgres connection")]
+    Pool(#[from] deadpool_postgres::PoolError),
+    #[error("query failed")]
+    Query(#[from] tokio_postgres::Error),
+}

@@ -1,0 +1,198 @@
+//! `outbox-relay status`: the slot, the publication, the backlog in the table, dead letters
+//! and the pending tasks per Valkey queue, as a compact table or JSON. Never prints secrets.
+
+use crate::pgoutput::TableName;
+use crate::sink::valkey::{pending_key, QUEUES_KEY};
+use crate::store::Store;
+use serde::Serialize;
+use std::fmt::Write;
+
+#[derive(Debug, Serialize)]
+pub struct Status {
+    pub slot: SlotStatus,
+    pub publication: PublicationStatus,
+    pub unpublished_rows: i64,
+    pub oldest_unpublished_age_seconds: Option<f64>,
+    pub dead_letters: i64,
+    /// `None` when Valkey could not be reached.
+    pub queues: Option<Vec<QueueStatus>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SlotStatus {
+    pub name: String,
+    pub exists: bool,
+    pub active: bool,
+    pub wal_status: Option<String>,
+    pub confirmed_flush_lsn: Option<String>,
+    pub lag_bytes: Option<i64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PublicationStatus {
+    pub name: String,
+    pub exists: bool,
+    pub tables: Vec<String>,
+    pub operations: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct QueueStatus {
+    pub queue: String,
+    pub pending: i64,
+}
+
+/// Reads everything; Valkey being unreachable is reported, not an error.
+pub async fn collect(
+    client: &tokio_postgres::Client,
+    valkey: Option<redis::aio::ConnectionManager>,
+    table: &TableName,
+    publication: &str,
+    slot: &str,
+) -> Result<Status, tokio_postgres::Error> {
+    let row = client
+        .query_opt(
+            "SELECT active, wal_status, confirmed_flush_lsn::text, \
+                    (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint \
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    let slot = SlotStatus {
+        name: slot.to_owned(),
+        exists: row.is_some(),
+        active: row.as_ref().is_some_and(|r| r.get(0)),
+        wal_status: row.as_ref().and_then(|r| r.get(1)),
+        confirmed_flush_lsn: row.as_ref().and_then(|r| r.get(2)),
+        lag_bytes: row.as_ref().and_then(|r| r.get(3)),
+    };
+    let publication = publication_status(client, publication).await?;
+    let store = Store::new(table.clone());
+    let (unpublished_rows, oldest) = store.unpublished(client).await?;
+    let dead_letters = store.dead_letters_count(client).await?;
+    let queues = match valkey {
+        Some(mut conn) => queue_status(&mut conn).await.ok(),
+        None => None,
+    };
+    Ok(Status {
+        slot,
+        publication,
+        unpublished_rows,
+        oldest_unpublished_age_seconds: oldest,
+        dead_letters,
+        queues,
+    })
+}
+
+async fn publication_status(
+    client: &tokio_postgres::Client,
+    name: &str,
+) -> Result<PublicationStatus, tokio_postgres::Error> {
+    let row = client
+        .query_opt(
+            "SELECT pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication WHERE pubname = $1",
+            &[&name],
+        )
+        .await?;
+    let tables = client
+        .query(
+            "SELECT format('%s.%s', schemaname, tablename) FROM pg_publication_tables WHERE pubname = $1 ORDER BY 1",
+            &[&name],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let operations = row
+        .as_ref()
+        .map(|r| {
+            ["insert", "update", "delete", "truncate"]
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| r.get::<_, bool>(*i))
+                .map(|(_, op)| (*op).to_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(PublicationStatus {
+        name: name.to_owned(),
+        exists: row.is_some(),
+        tables,
+        operations,
+    })
+}
+
+async fn queue_status(
+    conn: &mut redis::aio::ConnectionManager,
+) -> redis::RedisResult<Vec<QueueStatus>> {
+    let mut queues: Vec<String> = redis::cmd("SMEMBERS")
+        .arg(QUEUES_KEY)
+        .query_async(conn)
+        .await?;
+    queues.sort();
+    let mut out = Vec::with_capacity(queues.len());
+    for queue in queues {
+        let pending: i64 = redis::cmd("LLEN")
+            .arg(pending_key(&queue))
+            .query_async(conn)
+            .await?;
+        out.push(QueueStatus { queue, pending });
+    }
+    Ok(out)
+}
+
+/// A compact human table.
+pub fn render(s: &Status) -> String {
+    let mut out = String::new();
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    let _ = writeln!(
+        out,
+        "slot         {:<24} exists={} active={} wal_status={} confirmed={} lag={}",
+        s.slot.name,
+        yes(s.slot.exists),
+        yes(s.slot.active),
+        s.slot.wal_status.as_deref().unwrap_or("-"),
+        s.slot.confirmed_flush_lsn.as_deref().unwrap_or("-"),
+        s.slot
+            .lag_bytes
+            .map_or("-".into(), |b| format!("{b} bytes")),
+    );
+    let _ = writeln!(
+        out,
+        "publication  {:<24} exists={} tables={} publishes={}",
+        s.publication.name,
+        yes(s.publication.exists),
+        if s.publication.tables.is_empty() {
+            "-".into()
+        } else {
+            s.publication.tables.join(",")
+        },
+        if s.publication.operations.is_empty() {
+            "-".into()
+        } else {
+            s.publication.operations.join(",")
+        },
+    );
+    let _ = writeln!(
+        out,
+        "outbox       unpublished={} oldest={} dead_letters={}",
+        s.unpublished_rows,
+        s.oldest_unpublished_age_seconds
+            .map_or("-".into(), |a| format!("{a:.1}s")),
+        s.dead_letters
+    );
+    match &s.queues {
+        None => {
+            let _ = writeln!(out, "valkey       unreachable");
+        }
+        Some(qs) if qs.is_empty() => {
+            let _ = writeln!(out, "valkey       no asynq queues yet");
+        }
+        Some(qs) => {
+            for q in qs {
+                let _ = writeln!(out, "queue        {:<24} pending={}", q.queue, q.pending);
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,176 @@
+//! Metrics, health endpoints, the status command and the heartbeat.
+
+mod common;
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counters_read_the_number_of_delivered_events() {
+    let db = TestDb::new("counters").await;
+    let redis = Redis::start();
+    let relay =
+        Relay::start_streaming(run_args(&db, &redis.url, &["--health-interval", "200ms"])).await;
+    let mut c = db.client().await;
+    let ids = insert_events(&mut c, "order.placed", 1_234, 100).await;
+    wait_pending(&redis, "default", ids.len()).await;
+    let text = eventually("the counters and the pending gauge settle", || async {
+        let (status, text) = relay.get("/metrics").await;
+        assert_eq!(status, 200);
+        let settled = metric_value(&text, "outbox_events_published_total") == Some(1234.0)
+            && metric_value(&text, "outbox_events_pending") == Some(0.0);
+        settled.then_some(text)
+    })
+    .await;
+    assert_eq!(
+        metric_value(&text, "outbox_events_duplicate_total"),
+        Some(0.0)
+    );
+    assert_eq!(metric_value(&text, "outbox_stream_up"), Some(1.0));
+    assert_eq!(
+        metric_value(&text, "outbox_delivery_latency_seconds_count"),
+        Some(1234.0)
+    );
+    assert!(metric_value(&text, "outbox_batch_duration_seconds_count").unwrap() >= 1.0);
+    assert_eq!(metric_value(&text, "outbox_dead_letters"), Some(0.0));
+    assert!(text.contains("outbox_replication_lag_bytes"));
+    assert_eq!(relay.get("/healthz").await.0, 200);
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_follows_valkey() {
+    let db = TestDb::new("readyz").await;
+    let redis = Redis::start();
+    let relay =
+        Relay::start_streaming(run_args(&db, &redis.url, &["--health-interval", "200ms"])).await;
+    eventually("ready", || async {
+        (relay.get("/readyz").await.0 == 200).then_some(())
+    })
+    .await;
+    redis.stop();
+    let body = eventually("not ready without valkey", || async {
+        let (status, body) = relay.get("/readyz").await;
+        (status == 503).then_some(body)
+    })
+    .await;
+    assert!(body.contains("valkey unreachable"), "{body}");
+    assert_eq!(relay.get("/healthz").await.0, 200, "alive all the same");
+    redis.restart();
+    eventually("ready again", || async {
+        (relay.get("/readyz").await.0 == 200).then_some(())
+    })
+    .await;
+    relay.stop().await;
+}
+
+/// Heartbeats go through the slot; when the stream cannot move (Valkey down, in-flight full)
+/// they stop coming back and the stream is reported stalled, until it moves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_stream_is_noticed_through_heartbeats() {
+    let db = TestDb::new("stall").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &[
+            "--health-interval",
+            "200ms",
+            "--heartbeat-interval",
+            "200ms",
+            "--stall-after",
+            "1s",
+            "--batch-size",
+            "1",
+            "--max-inflight-batches",
+            "1",
+        ],
+    ))
+    .await;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert_eq!(
+        relay.metrics.stream_stalled.get(),
+        0,
+        "heartbeats come back"
+    );
+    redis.stop();
+    let mut c = db.client().await;
+    insert_events(&mut c, "order.placed", 20, 1).await;
+    eventually("stalled", || async {
+        (relay.metrics.stream_stalled.get() == 1).then_some(())
+    })
+    .await;
+    let (status, body) = relay.get("/readyz").await;
+    assert_eq!(status, 503);
+    assert!(body.contains("stalled"), "{body}");
+    redis.restart();
+    wait_pending(&redis, "default", 20).await;
+    eventually("recovered", || async {
+        (relay.metrics.stream_stalled.get() == 0).then_some(())
+    })
+    .await;
+    relay.stop().await;
+}
+
+fn status_json(db: &TestDb, redis_url: &str) -> serde_json::Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .args(["status", "--json"])
+        .env("OUTBOX_DATABASE_URL", &db.url)
+        .env("OUTBOX_VALKEY_URL", redis_url)
+        .env("OUTBOX_SLOT", &db.slot)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_reports_a_lag_that_grows_while_the_relay_is_stopped() {
+    let db = TestDb::new("status").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &["--recovery", "false"])).await;
+    let mut c = db.client().await;
+    insert_events(&mut c, "order.placed", 10, 10).await;
+    wait_pending(&redis, "default", 10).await;
+    relay.stop().await;
+    let s0 = status_json(&db, &redis.url);
+    assert_eq!(s0["slot"]["exists"], true);
+    assert_eq!(s0["slot"]["active"], false);
+    assert_eq!(
+        s0["publication"]["operations"],
+        serde_json::json!(["insert"])
+    );
+    assert_eq!(
+        s0["queues"],
+        serde_json::json!([{"queue": "default", "pending": 10}])
+    );
+    let lag0 = s0["slot"]["lag_bytes"].as_i64().unwrap();
+    insert_events(&mut c, "order.placed", 200, 20).await;
+    let s1 = status_json(&db, &redis.url);
+    let lag1 = s1["slot"]["lag_bytes"].as_i64().unwrap();
+    insert_events(&mut c, "order.placed", 200, 20).await;
+    let lag2 = status_json(&db, &redis.url)["slot"]["lag_bytes"]
+        .as_i64()
+        .unwrap();
+    assert!(
+        lag0 < lag1 && lag1 < lag2,
+        "lag grows: {lag0} {lag1} {lag2}"
+    );
+    assert_eq!(s1["unpublished_rows"], 200, "the 10 delivered were marked");
+    // The human form names the same things.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .arg("status")
+        .env("OUTBOX_DATABASE_URL", &db.url)
+        .env("OUTBOX_VALKEY_URL", &redis.url)
+        .env("OUTBOX_SLOT", &db.slot)
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("unpublished=400") && text.contains("pending=10"),
+        "{text}"
+    );
+}
