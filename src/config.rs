@@ -261,6 +261,11 @@ pub struct RunArgs {
     /// poller delivers what the stream missed) or stop with an error.
     #[arg(long, env = "OUTBOX_ON_SLOT_LOST", value_enum, default_value_t = OnSlotLost::Recreate)]
     pub on_slot_lost: OnSlotLost,
+    /// A walsender holding the slot whose client has been silent this long is taken to be a
+    /// zombie of a cut connection and terminated, so this relay can take the slot. A live
+    /// relay answers every second, so a live replica is never touched.
+    #[arg(long, env = "OUTBOX_TAKEOVER_AFTER", default_value = "15s", value_parser = parse_positive_duration)]
+    pub takeover_after: Duration,
     /// In poll mode, LISTEN for the insert trigger's notifications to poll at once.
     #[arg(long, env = "OUTBOX_POLL_NOTIFY", default_value_t = true, action = clap::ArgAction::Set)]
     pub poll_notify: bool,

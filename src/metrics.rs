@@ -43,6 +43,8 @@ pub struct Metrics {
     pub write_errors: Counter,
     /// 1 while the replication stream is connected.
     pub stream_up: Gauge,
+    /// 1 while another session (a replica) holds the slot and this relay stands by.
+    pub stream_standby: Gauge,
     /// Connections re-established after a loss.
     pub reconnects: Family<TargetLabel, Counter>,
     /// The LSN last acknowledged to Postgres (as a number).
@@ -84,6 +86,7 @@ impl Metrics {
             batch_duration: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             write_errors: Counter::default(),
             stream_up: Gauge::default(),
+            stream_standby: Gauge::default(),
             reconnects: Family::default(),
             acked_lsn: Gauge::default(),
             poller_rounds: Counter::default(),
@@ -133,6 +136,11 @@ impl Metrics {
             "outbox_stream_up",
             "1 while the replication stream is connected",
             m.stream_up.clone(),
+        );
+        registry.register(
+            "outbox_stream_standby",
+            "1 while another replica holds the slot and this relay stands by (its poller runs)",
+            m.stream_standby.clone(),
         );
         registry.register(
             "outbox_reconnects",

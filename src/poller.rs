@@ -121,7 +121,10 @@ impl<S: Sink> Poller<S> {
         let mut scratch = Vec::new();
         let mut good = Vec::with_capacity(rows.len());
         for row in &rows {
-            match self.tasks.build(&row.text(), &mut scratch) {
+            match row
+                .text()
+                .and_then(|text| self.tasks.build(&text, &mut scratch))
+            {
                 Ok(task) => good.push((row.id, task)),
                 Err(bad) => {
                     out.failed_rows += 1;
@@ -135,10 +138,10 @@ impl<S: Sink> Poller<S> {
                             self.settings.max_attempts,
                         )
                         .await?;
-                    self.metrics.bad_row(&row.event_name, bad.reason());
+                    self.metrics.bad_row(row.event_name(), bad.reason());
                     tracing::warn!(
-                        event_id = %row.event_id,
-                        event_name = %row.event_name,
+                        event_id = %row.event_id(),
+                        event_name = %row.event_name(),
                         attempt = row.attempts + 1,
                         dead_letter = dead,
                         reason = %bad,

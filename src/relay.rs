@@ -186,6 +186,7 @@ pub async fn run(
                     shutdown_timeout: args.shutdown_timeout,
                     buffer_events: 2048,
                     on_slot_lost: args.on_slot_lost,
+                    takeover_after: args.takeover_after,
                 },
                 tasks,
                 sink,

@@ -5,19 +5,20 @@
 //! so both paths build byte-identical tasks through [`crate::task`].
 
 use crate::pgoutput::TableName;
-use crate::task::RowText;
+use crate::task::{BadRow, RowText};
 use std::time::Duration;
 use tokio_postgres::{GenericClient, Row};
 
-/// A claimed row, as text columns.
+/// A claimed row, as text columns. Columns are nullable here: a table without the kit's NOT
+/// NULL constraints must give a bad row, never a crash.
 #[derive(Debug, Clone)]
 pub struct ClaimedRow {
     pub id: i64,
-    pub event_id: String,
-    pub event_name: String,
-    pub payload: String,
-    pub metadata: String,
-    pub created_at: String,
+    pub event_id: Option<String>,
+    pub event_name: Option<String>,
+    pub payload: Option<String>,
+    pub metadata: Option<String>,
+    pub created_at: Option<String>,
     pub attempts: i32,
 }
 
@@ -34,16 +35,29 @@ impl ClaimedRow {
         }
     }
 
-    /// The row as the task builder reads it.
-    pub fn text(&self) -> RowText<'_> {
-        RowText {
-            id: None,
-            event_id: &self.event_id,
-            event_name: &self.event_name,
-            payload: &self.payload,
-            metadata: Some(&self.metadata),
-            created_at: &self.created_at,
+    /// The row as the task builder reads it; a NULL required column is a bad row.
+    pub fn text(&self) -> Result<RowText<'_>, BadRow> {
+        fn req<'a>(v: &'a Option<String>, name: &'static str) -> Result<&'a str, BadRow> {
+            v.as_deref().ok_or(BadRow::MissingColumn(name))
         }
+        Ok(RowText {
+            id: None,
+            event_id: req(&self.event_id, "event_id")?,
+            event_name: req(&self.event_name, "event_name")?,
+            payload: req(&self.payload, "payload")?,
+            metadata: self.metadata.as_deref(),
+            created_at: req(&self.created_at, "created_at")?,
+        })
+    }
+
+    /// For logs: the event id, or empty when NULL.
+    pub fn event_id(&self) -> &str {
+        self.event_id.as_deref().unwrap_or("")
+    }
+
+    /// For logs and metrics: the event name, or empty when NULL.
+    pub fn event_name(&self) -> &str {
+        self.event_name.as_deref().unwrap_or("")
     }
 }
 

@@ -48,6 +48,9 @@ pub struct StreamSettings {
     pub buffer_events: usize,
     /// What to do when the slot is missing or invalidated.
     pub on_slot_lost: OnSlotLost,
+    /// A walsender holding the slot whose client has been silent this long is a zombie (a cut
+    /// connection the server has not noticed): it is terminated so the slot can be taken.
+    pub takeover_after: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +80,11 @@ impl StreamError {
             StreamError::Setup(_) | StreamError::SlotLost { .. } => false,
         }
     }
+
+    /// Another session holds the slot (another relay replica, or a zombie walsender).
+    pub fn slot_in_use(&self) -> bool {
+        matches!(self, StreamError::Replication(PgWireError::Server(msg)) if msg.contains("SQLSTATE 55006"))
+    }
 }
 
 /// The replication stream of one relay.
@@ -101,36 +109,97 @@ impl<S: Sink> Stream<S> {
     /// exponential backoff, each time resuming from the slot's confirmed position.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<(), StreamError> {
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+        let mut standby_logged = false;
         loop {
             let started = Instant::now();
             let result = self.session(&shutdown).await;
             self.metrics.stream_up.set(0);
-            match result {
+            if matches!(result, Ok(SessionEnd::Shutdown)) {
+                self.metrics.stream_standby.set(0);
+            }
+            let standing_by = matches!(&result, Err(e) if e.slot_in_use());
+            self.metrics.stream_standby.set(i64::from(standing_by));
+            if !standing_by {
+                standby_logged = false;
+            }
+            let delay = match result {
                 Ok(SessionEnd::Shutdown) => return Ok(()),
+                Err(_) if standing_by => {
+                    // Standby: another replica streams. Check often, so takeover is quick.
+                    if !standby_logged {
+                        tracing::info!(slot = %self.settings.slot, "slot held by another session; standing by");
+                        standby_logged = true;
+                    }
+                    self.reclaim_zombie_slot().await;
+                    Duration::from_secs(1)
+                }
                 Ok(SessionEnd::ServerClosed) => {
-                    tracing::warn!("replication stream closed by the server")
+                    tracing::warn!("replication stream closed by the server");
+                    self.next_delay(&mut backoff, started)
                 }
                 Err(e) if e.is_retryable() => {
-                    tracing::warn!(error = %error_chain(&e), "replication stream lost")
+                    tracing::warn!(error = %error_chain(&e), "replication stream lost");
+                    self.next_delay(&mut backoff, started)
                 }
                 Err(e) => return Err(e),
-            }
-            if started.elapsed() > Duration::from_secs(30) {
-                backoff.reset();
-            }
-            let delay = backoff.next_delay();
-            tracing::info!(
-                delay_ms = delay.as_millis() as u64,
-                "reconnecting the replication stream"
-            );
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
                 _ = tokio::time::sleep(delay) => {}
             }
-            self.metrics
-                .reconnects
-                .get_or_create(&TargetLabel { target: "postgres" })
-                .inc();
+        }
+    }
+
+    fn next_delay(&self, backoff: &mut Backoff, session_started: Instant) -> Duration {
+        if session_started.elapsed() > Duration::from_secs(30) {
+            backoff.reset();
+        }
+        self.metrics
+            .reconnects
+            .get_or_create(&TargetLabel { target: "postgres" })
+            .inc();
+        let delay = backoff.next_delay();
+        tracing::info!(
+            delay_ms = delay.as_millis() as u64,
+            "reconnecting the replication stream"
+        );
+        delay
+    }
+
+    /// Terminates the walsender holding the slot if its client has been silent for longer than
+    /// `takeover_after`: a live relay answers every second, so that one is a zombie left by a
+    /// cut connection. A live replica is never touched.
+    async fn reclaim_zombie_slot(&self) {
+        let result = async {
+            let client = self.pg.connect().await?;
+            let row = client
+                .query_opt(
+                    "SELECT r.pid, extract(epoch FROM now() - coalesce(r.reply_time, r.backend_start))::float8 \
+                     FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid \
+                     WHERE s.slot_name = $1",
+                    &[&self.settings.slot],
+                )
+                .await
+                .map_err(PgError::from)?;
+            let Some(row) = row else { return Ok::<(), StreamError>(()) };
+            let (pid, silent): (i32, f64) = (row.get(0), row.get(1));
+            if silent >= self.settings.takeover_after.as_secs_f64() {
+                tracing::warn!(
+                    pid,
+                    silent_secs = silent as u64,
+                    "terminating a walsender that holds the slot but has not heard from its client \
+                     (a zombie after a cut connection)"
+                );
+                client
+                    .execute("SELECT pg_terminate_backend($1)", &[&pid])
+                    .await
+                    .map_err(PgError::from)?;
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::debug!(error = %error_chain(&e), "could not check the slot's holder");
         }
     }
 

@@ -3,7 +3,7 @@
 //! makes re-sending a batch that partly landed harmless. Memory is bounded by `max_inflight`.
 
 use crate::backoff::Backoff;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, TargetLabel};
 use crate::sink::{Batch, Sink, SinkError, WriteOutcome};
 use futures::future::BoxFuture;
 use futures::stream::{FuturesOrdered, StreamExt};
@@ -41,6 +41,8 @@ pub struct Writer<S: Sink> {
     max_inflight: usize,
     backoff: Backoff,
     metrics: Arc<Metrics>,
+    /// A write failed and none has succeeded since.
+    failing: bool,
 }
 
 impl<S: Sink> Writer<S> {
@@ -53,6 +55,7 @@ impl<S: Sink> Writer<S> {
             max_inflight,
             backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
             metrics,
+            failing: false,
         }
     }
 
@@ -102,6 +105,12 @@ impl<S: Sink> Writer<S> {
                         .expect("a confirmed write has an unconfirmed batch");
                     debug_assert_eq!(front, seq);
                     self.backoff.reset();
+                    if std::mem::take(&mut self.failing) {
+                        self.metrics
+                            .reconnects
+                            .get_or_create(&TargetLabel { target: "valkey" })
+                            .inc();
+                    }
                     self.metrics
                         .batch_duration
                         .observe(started.elapsed().as_secs_f64());
@@ -117,6 +126,7 @@ impl<S: Sink> Writer<S> {
                     let retry_in = self.backoff.next_delay();
                     self.retry_at = Some(Instant::now() + retry_in);
                     self.metrics.write_errors.inc();
+                    self.failing = true;
                     return WriterEvent::Failed { error, retry_in };
                 }
                 None => std::future::pending::<()>().await,

@@ -2,6 +2,8 @@
 //! test, the relay in-process or as the real binary, and the asynq view of Valkey.
 #![allow(dead_code)]
 
+pub mod checker;
+
 use clap::Parser;
 use outbox_relay::config::{Cli, Command, RunArgs};
 use outbox_relay::metrics::Metrics;
@@ -72,15 +74,33 @@ impl Redis {
         script("redis-stop.sh", &[self.dir.to_str().unwrap(), "--keep"]);
     }
 
+    /// Stops the server after writing its data to disk, so a restart keeps the tasks (a
+    /// restart of a persistent Valkey, not a loss of its data).
+    pub fn stop_saving(&self) {
+        let port = std::fs::read_to_string(self.dir.join("port")).unwrap();
+        let status = std::process::Command::new("redis-cli")
+            .args(["-p", port.trim(), "shutdown", "save"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success() || status.code() == Some(1));
+        // Wait until it is gone, then let the stop script clean up its pid file.
+        self.stop();
+    }
+
     /// Starts it again on the same port.
     pub fn restart(&self) {
         script("redis-start.sh", &[self.dir.to_str().unwrap()]);
     }
 
     pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        let config = redis::AsyncConnectionConfig::new()
+            .set_response_timeout(Some(Duration::from_secs(60)))
+            .set_connection_timeout(Some(Duration::from_secs(10)));
         redis::Client::open(self.url.as_str())
             .unwrap()
-            .get_multiplexed_async_connection()
+            .get_multiplexed_async_connection_with_config(&config)
             .await
             .unwrap()
     }
@@ -362,6 +382,17 @@ impl RelayProcess {
         assert!(ok.success());
     }
 
+    /// Peak resident memory (VmHWM) in KiB.
+    pub fn peak_rss_kib(&self) -> u64 {
+        let pid = self.child.id().expect("running");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -398,13 +429,25 @@ pub async fn insert_events(
 
 /// The ids of a queue's pending list, oldest first (asynq LPUSHes and pops from the right).
 pub async fn pending_ids(conn: &mut redis::aio::MultiplexedConnection, queue: &str) -> Vec<String> {
-    let mut ids: Vec<String> = redis::cmd("LRANGE")
-        .arg(format!("asynq:{{{queue}}}:pending"))
-        .arg(0)
-        .arg(-1)
-        .query_async(conn)
-        .await
-        .unwrap();
+    const PAGE: isize = 50_000;
+    let key = format!("asynq:{{{queue}}}:pending");
+    let mut ids: Vec<String> = Vec::new();
+    let mut start = 0isize;
+    loop {
+        let page: Vec<String> = redis::cmd("LRANGE")
+            .arg(&key)
+            .arg(start)
+            .arg(start + PAGE - 1)
+            .query_async(conn)
+            .await
+            .unwrap();
+        let n = page.len();
+        ids.extend(page);
+        if (n as isize) < PAGE {
+            break;
+        }
+        start += PAGE;
+    }
     ids.reverse();
     ids
 }

@@ -1,0 +1,452 @@
+//! The fault suite: each scenario runs a producer load while a fault happens, then the checker
+//! compares committed events with the asynq tasks in Valkey. Short by default (CI); set
+//! OUTBOX_FAULTS_LONG=1 for the long form (scripts/faults-long.sh).
+
+mod common;
+
+use common::checker::{long, verify, Load, LoadSpec};
+use common::*;
+use rand::Rng;
+use std::time::Duration;
+
+/// Flags that let the recovery poller act quickly in tests.
+const QUICK_RECOVERY: [&str; 4] = ["--recovery-grace", "2s", "--poll-interval", "200ms"];
+
+fn secs(short: u64, long_form: u64) -> Duration {
+    Duration::from_secs(if long() { long_form } else { short })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_random_moments_under_load() {
+    let db = TestDb::new("f_sigkill").await;
+    let redis = Redis::start();
+    let mut relay = RelayProcess::spawn_streaming(&db, &redis.url, &QUICK_RECOVERY).await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    let kills = if long() { 60 } else { 6 };
+    for _ in 0..kills {
+        let wait = rand::rng().random_range(200..1500);
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        relay.signal("KILL");
+        let _ = relay.child.wait().await;
+        relay = RelayProcess::spawn(&db, &redis.url, &QUICK_RECOVERY);
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let result = load.stop().await;
+    let v = verify("sigkill_relay", &redis, &result, kills).await;
+    assert!(
+        v.ok(),
+        "{v}\nmissing: {:?}",
+        &v.missing[..v.missing.len().min(5)]
+    );
+    assert!(v.committed > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_restarted_under_load() {
+    let db = TestDb::new("f_vrestart").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &QUICK_RECOVERY)).await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    let restarts = if long() { 10 } else { 2 };
+    for _ in 0..restarts {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        redis.stop_saving();
+        redis.restart();
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let result = load.stop().await;
+    let v = verify("valkey_restart", &redis, &result, restarts).await;
+    assert!(v.ok(), "{v}");
+    relay.stop().await;
+}
+
+/// Valkey down for 30 s under load, with a short wal_sender_timeout: the relay keeps answering
+/// the walsender (no reconnect) and catches up afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_down_for_thirty_seconds() {
+    let pg = OwnPg::start(&["-c", "wal_sender_timeout=5s"]);
+    let db = TestDb::on(&pg.url, "f_vdown", true).await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &QUICK_RECOVERY)).await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    redis.stop_saving();
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    redis.restart();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let result = load.stop().await;
+    let v = verify("valkey_down_30s", &redis, &result, 1).await;
+    assert!(v.ok(), "{v}");
+    let reconnects = relay
+        .metrics
+        .reconnects
+        .get_or_create(&outbox_relay::metrics::TargetLabel { target: "postgres" })
+        .get();
+    assert_eq!(
+        reconnects, 0,
+        "the walsender timed out: status updates stopped while Valkey was down"
+    );
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_at_maxmemory_applies_backpressure_then_delivers() {
+    let db = TestDb::new("f_oom").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &QUICK_RECOVERY)).await;
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let load = Load::start(&db.url, LoadSpec::default());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(1)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    eventually("writes refused", || async {
+        (relay.metrics.write_errors.get() > 0).then_some(())
+    })
+    .await;
+    tokio::time::sleep(secs(3, 15)).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(0)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let result = load.stop().await;
+    let v = verify("valkey_maxmemory", &redis, &result, 1).await;
+    assert!(v.ok(), "{v}");
+    relay.stop().await;
+}
+
+async fn postgres_restart(mode: &str) {
+    let pg = OwnPg::start(&[]);
+    let db = TestDb::on(&pg.url, "f_pgrestart", true).await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &QUICK_RECOVERY)).await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    let restarts = if long() { 8 } else { 2 };
+    for _ in 0..restarts {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        pg.stop(mode);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        pg.restart();
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let result = load.stop().await;
+    let v = verify(
+        &format!("postgres_restart_{mode}"),
+        &redis,
+        &result,
+        restarts,
+    )
+    .await;
+    assert!(v.ok(), "{v}");
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restarted_fast_under_load() {
+    postgres_restart("fast").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restarted_immediate_under_load() {
+    postgres_restart("immediate").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn walsender_terminated_under_load() {
+    let db = TestDb::new("f_walsender").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &QUICK_RECOVERY)).await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    let admin = db.client().await;
+    let kills = if long() { 20 } else { 3 };
+    for _ in 0..kills {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        db.wait_slot_active().await;
+        admin
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1",
+                &[&db.slot],
+            )
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let result = load.stop().await;
+    let v = verify("walsender_terminated", &redis, &result, kills).await;
+    assert!(v.ok(), "{v}");
+    relay.stop().await;
+}
+
+/// A relay frozen mid-stream (its connection open but silent, as after a network cut) leaves a
+/// zombie walsender holding the slot for up to wal_sender_timeout (60 s here). A new relay
+/// recognises the silent holder and takes the slot back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_walsender_gives_the_slot_back() {
+    let pg = OwnPg::start(&["-c", "wal_sender_timeout=60s"]);
+    let db = TestDb::on(&pg.url, "f_zombie", true).await;
+    let redis = Redis::start();
+    let mut frozen = RelayProcess::spawn_streaming(&db, &redis.url, &QUICK_RECOVERY).await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    frozen.signal("STOP");
+    let taker = RelayProcess::spawn(
+        &db,
+        &redis.url,
+        &[&QUICK_RECOVERY[..], &["--takeover-after", "3s"]].concat(),
+    );
+    let admin = db.client().await;
+    let frozen_pid: i32 = admin
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&db.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    eventually("the new relay holds the slot", || async {
+        let row = admin
+            .query_one(
+                "SELECT coalesce(active_pid, 0) FROM pg_replication_slots WHERE slot_name = $1",
+                &[&db.slot],
+            )
+            .await
+            .unwrap();
+        let pid: i32 = row.get(0);
+        (pid != 0 && pid != frozen_pid).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let result = load.stop().await;
+    let v = verify("zombie_walsender", &redis, &result, 1).await;
+    assert!(v.ok(), "{v}");
+    assert!(taker.log_text().contains("zombie"), "{}", taker.log_text());
+    frozen.signal("KILL");
+    let _ = frozen.child.wait().await;
+}
+
+/// The slot is invalidated (max_slot_wal_keep_size) while the relay is paused: detected, the
+/// poller backfills what the stream lost, nothing is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidated_slot_is_detected_and_backfilled() {
+    let pg = OwnPg::start(&["-c", "max_slot_wal_keep_size=1MB", "-c", "wal_keep_size=0"]);
+    let db = TestDb::on(&pg.url, "f_lost", true).await;
+    let redis = Redis::start();
+    let relay = RelayProcess::spawn_streaming(&db, &redis.url, &QUICK_RECOVERY).await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    relay.signal("STOP");
+    let admin = db.client().await;
+    admin
+        .batch_execute("CREATE TABLE filler (b text)")
+        .await
+        .unwrap();
+    eventually("the slot is invalidated", || async {
+        admin
+            .batch_execute(
+                "INSERT INTO filler SELECT repeat('f', 1000) FROM generate_series(1, 20000);
+                 SELECT pg_switch_wal(); CHECKPOINT;",
+            )
+            .await
+            .unwrap();
+        let row = admin
+            .query_opt(
+                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+                &[&db.slot],
+            )
+            .await
+            .unwrap();
+        let status: Option<String> = row.and_then(|r| r.get(0));
+        (status.as_deref() == Some("lost")).then_some(())
+    })
+    .await;
+    relay.signal("CONT");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let result = load.stop().await;
+    let v = verify("slot_invalidated", &redis, &result, 1).await;
+    assert!(v.ok(), "{v}");
+    let log = relay.log_text();
+    assert!(log.contains("REPLICATION SLOT LOST"), "{log}");
+    db.wait_slot_active().await;
+}
+
+/// One transaction of many rows: delivered completely, memory bounded, and status updates keep
+/// a short wal_sender_timeout from cutting the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_huge_transaction_is_delivered_with_bounded_memory() {
+    let pg = OwnPg::start(&["-c", "wal_sender_timeout=5s"]);
+    let db = TestDb::on(&pg.url, "f_huge", true).await;
+    let redis = Redis::start();
+    let relay = RelayProcess::spawn_streaming(&db, &redis.url, &["--recovery", "false"]).await;
+    let rows: i32 = if long() { 1_000_000 } else { 200_000 };
+    db.client()
+        .await
+        .execute(
+            "INSERT INTO outbox_events (event_id, event_name, payload)
+             SELECT gen_random_uuid(), 'bulk.imported', jsonb_build_object('n', g, 'pad', repeat('p', 100))
+             FROM generate_series(1, $1) g",
+            &[&rows],
+        )
+        .await
+        .unwrap();
+    let mut conn = redis.conn().await;
+    eventually("every row delivered", || {
+        let mut conn = conn.clone();
+        async move {
+            let n: i64 = redis::cmd("LLEN")
+                .arg("asynq:{default}:pending")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            (n >= i64::from(rows)).then_some(())
+        }
+    })
+    .await;
+    let ids = pending_ids(&mut conn, "default").await;
+    let unique: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(unique.len(), rows as usize);
+    assert_eq!(ids.len(), rows as usize);
+    let peak_mib = relay.peak_rss_kib() / 1024;
+    println!("FAULT-SUMMARY scenario=huge_transaction rows={rows} peak_rss_mib={peak_mib}");
+    // The transaction's tasks alone are far larger than this; a relay that buffered the
+    // transaction would exceed it.
+    assert!(peak_mib < 128, "peak RSS {peak_mib} MiB");
+    let log = relay.log_text();
+    assert!(
+        !log.contains("replication stream lost"),
+        "the stream was cut:\n{log}"
+    );
+}
+
+/// Schema drift while streaming: unrelated columns added, renamed and dropped keep working; a
+/// required column removed makes rows bad (logged, counted, left in the table) without a crash
+/// or reconnect loop; once restored, rows flow again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_drift_while_streaming() {
+    let db = TestDb::new("f_drift").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &QUICK_RECOVERY)).await;
+    let c = db.client().await;
+    let insert = |id: u32| {
+        format!("INSERT INTO outbox_events (event_id, event_name, payload) VALUES ('00000000-0000-4000-8000-{id:012}', 'drift', '{{}}')")
+    };
+    c.batch_execute(&format!(
+        "ALTER TABLE outbox_events ADD COLUMN tenant text DEFAULT 'a'; {};
+         ALTER TABLE outbox_events RENAME COLUMN tenant TO org; {};
+         ALTER TABLE outbox_events DROP COLUMN org; {};",
+        insert(1),
+        insert(2),
+        insert(3)
+    ))
+    .await
+    .unwrap();
+    wait_pending(&redis, "default", 3).await;
+    c.batch_execute(&format!(
+        "ALTER TABLE outbox_events RENAME COLUMN event_name TO name_old; INSERT INTO outbox_events (event_id, name_old, payload) VALUES ('00000000-0000-4000-8000-000000000004', 'lost.name', '{{}}'); {}",
+        ""
+    ))
+    .await
+    .unwrap();
+    eventually("the bad row is counted", || async {
+        let n = relay
+            .metrics
+            .bad_rows
+            .get_or_create(&outbox_relay::metrics::ReasonLabel {
+                reason: "missing_column",
+            })
+            .get();
+        (n == 1).then_some(())
+    })
+    .await;
+    assert_eq!(relay.metrics.stream_up.get(), 1, "the stream stays up");
+    c.batch_execute(&format!(
+        "ALTER TABLE outbox_events RENAME COLUMN name_old TO event_name; {}",
+        insert(5)
+    ))
+    .await
+    .unwrap();
+    let ids = wait_pending(&redis, "default", 5).await;
+    assert!(
+        ids.contains(&"00000000-0000-4000-8000-000000000004".to_string()),
+        "the poller delivered the row once the table was fixed"
+    );
+    assert!(ids.contains(&"00000000-0000-4000-8000-000000000005".to_string()));
+    let reconnects = relay
+        .metrics
+        .reconnects
+        .get_or_create(&outbox_relay::metrics::TargetLabel { target: "postgres" })
+        .get();
+    assert_eq!(reconnects, 0, "no reconnect loop");
+    relay.stop().await;
+}
+
+/// Bad rows beside a flowing stream end as dead letters with their reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_rows_become_dead_letters_while_everything_else_flows() {
+    let db = TestDb::new("f_dead").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &[
+            &QUICK_RECOVERY[..],
+            &[
+                "--max-attempts",
+                "2",
+                "--attempt-backoff",
+                "100ms",
+                "--max-payload-bytes",
+                "1KiB",
+            ],
+        ]
+        .concat(),
+    ))
+    .await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    let c = db.client().await;
+    c.batch_execute(&format!(
+        "INSERT INTO outbox_events (event_id, event_name, payload, metadata) VALUES
+            (gen_random_uuid(), '', '{{}}', '{{}}'),
+            (gen_random_uuid(), 'too.big', '{{\"x\": \"{}\"}}', '{{}}'),
+            (gen_random_uuid(), 'meta.array', '{{}}', '[1, 2]');",
+        "y".repeat(2000)
+    ))
+    .await
+    .unwrap();
+    let dead = eventually("three dead letters", || async {
+        let rows = c
+            .query(
+                "SELECT event_name, last_error FROM outbox_dead_letters ORDER BY id",
+                &[],
+            )
+            .await
+            .unwrap();
+        (rows.len() == 3).then(|| {
+            rows.iter()
+                .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+                .collect::<Vec<_>>()
+        })
+    })
+    .await;
+    assert_eq!(dead[0].1, "event_name is empty");
+    assert!(dead[1].1.contains("over the 1024-byte limit"), "{dead:?}");
+    assert_eq!(dead[2].1, "metadata is not a JSON object");
+    let result = load.stop().await;
+    let v = verify("bad_rows", &redis, &result, 3).await;
+    assert!(v.ok(), "{v}");
+    relay.stop().await;
+}
