@@ -53,7 +53,7 @@ struct Args {
 /// A realistic order event (about 220 bytes as jsonb text).
 fn payload(i: u64) -> String {
     format!(
-        r#"{{"order_id":"ord_{i:010}","customer_id":"cus_{:012x}","currency":"EUR","total_cents":{},"items":[{{"sku":"SKU-{}","qty":{},"price_cents":1999}},{{"sku":"SKU-{}","qty":1,"price_cents":4550}}],"shipping":{{"method":"standard","country":"DE"}}}}"#,
+        r#"{{"order_id":"ord_{i:010}","customer_id":"cus_{:012x}","currency":"EUR","total_cents":{},"items":[{{"sku":"SKU-{}","qty":{},"price_cents":1999}},{{"sku":"SKU-{}","qty":1,"price_cents":4550}}]}}"#,
         i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 16,
         1000 + i * 7919 % 90_000,
         i % 977,

@@ -130,6 +130,10 @@ pub struct DatabaseArgs {
 pub struct MigrateArgs {
     #[command(flatten)]
     pub db: DatabaseArgs,
+    /// Also install the insert trigger that wakes poll-mode relays at once (LISTEN/NOTIFY).
+    /// Not needed in stream mode; it serialises producers' commits.
+    #[arg(long)]
+    pub with_notify_trigger: bool,
 }
 
 /// Valkey connection: `OUTBOX_VALKEY_URL`, or the Go kit's `VALKEY_*` settings.
@@ -266,7 +270,8 @@ pub struct RunArgs {
     /// relay answers every second, so a live replica is never touched.
     #[arg(long, env = "OUTBOX_TAKEOVER_AFTER", default_value = "15s", value_parser = parse_positive_duration)]
     pub takeover_after: Duration,
-    /// In poll mode, LISTEN for the insert trigger's notifications to poll at once.
+    /// In poll mode, LISTEN for the insert trigger's notifications to poll at once (install
+    /// the trigger with `migrate --with-notify-trigger`).
     #[arg(long, env = "OUTBOX_POLL_NOTIFY", default_value_t = true, action = clap::ArgAction::Set)]
     pub poll_notify: bool,
     /// Delete published rows older than this, periodically (unset: never).

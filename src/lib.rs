@@ -12,6 +12,7 @@
 //!   and the acknowledgement bookkeeping.
 //! - [`poller`]: the FOR UPDATE SKIP LOCKED recovery/backfill loop, and poll mode.
 //! - [`marker`]: marks rows the stream delivered as published, coalesced, off the hot path.
+//! - [`producer`]: the application side: an outbox row inserted in the caller's transaction.
 //! - [`store`]: the SQL on the outbox table (claim, mark, dead letters, cleanup).
 //! - [`admin`]: operator commands (dead letters, cleanup).
 //! - [`postgres`]: connections (SQL and replication parameters) from one URL.
@@ -36,6 +37,7 @@ pub mod monitor;
 pub mod pgoutput;
 pub mod poller;
 pub mod postgres;
+pub mod producer;
 pub mod relay;
 pub mod replication;
 pub mod sink;

@@ -180,9 +180,14 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Migrate(args) => {
             let pg = args.db.target()?;
             let mut client = pg.connect().await?;
-            outbox_relay::migrate::migrate(&mut client, &args.db.table, &args.db.publication)
-                .await
-                .context("outbox-relay migrate")?;
+            outbox_relay::migrate::migrate(
+                &mut client,
+                &args.db.table,
+                &args.db.publication,
+                args.with_notify_trigger,
+            )
+            .await
+            .context("outbox-relay migrate")?;
             tracing::info!(table = %args.db.table, publication = %args.db.publication, "migrations applied");
             Ok(())
         }

@@ -22,11 +22,13 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "20240101000300_outbox_relay_attempts.sql",
         include_str!("../migrations/20240101000300_outbox_relay_attempts.sql"),
     ),
-    (
-        "20240101000400_outbox_relay_notify.sql",
-        include_str!("../migrations/20240101000400_outbox_relay_notify.sql"),
-    ),
 ];
+
+/// The optional insert trigger that wakes poll-mode relays (LISTEN/NOTIFY).
+pub const NOTIFY_TRIGGER: (&str, &str) = (
+    "optional/outbox_relay_notify.sql",
+    include_str!("../migrations/optional/outbox_relay_notify.sql"),
+);
 
 /// An arbitrary constant: serialises concurrent `migrate` runs.
 const LOCK_KEY: i64 = 0x6f75_7462_6f78;
@@ -99,24 +101,27 @@ pub fn render(sql: &str, table: &TableName, publication: &str) -> String {
     out
 }
 
-/// Applies every migration in one transaction.
+/// Applies every migration (and the optional notify trigger) in one transaction.
 pub async fn migrate(
     client: &mut tokio_postgres::Client,
     table: &TableName,
     publication: &str,
+    notify_trigger: bool,
 ) -> Result<(), MigrateError> {
     let tx = client
         .transaction()
         .await
         .map_err(MigrateError::Transaction)?;
     // The idempotent DROP ... IF EXISTS statements would log notices otherwise.
-    tx.batch_execute("SET LOCAL client_min_messages = warning")
+    // Producers queue behind a waiting ALTER TABLE: give up rather than block them for long.
+    tx.batch_execute("SET LOCAL client_min_messages = warning; SET LOCAL lock_timeout = '10s'")
         .await
         .map_err(MigrateError::Transaction)?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
         .await
         .map_err(MigrateError::Transaction)?;
-    for (file, sql) in MIGRATIONS {
+    let optional = notify_trigger.then_some(&NOTIFY_TRIGGER);
+    for (file, sql) in MIGRATIONS.iter().chain(optional) {
         let sql = render(&up_section(sql), table, publication);
         tx.batch_execute(&sql)
             .await
@@ -132,7 +137,7 @@ mod tests {
 
     #[test]
     fn up_sections_have_no_goose_lines_and_no_down() {
-        for (_, sql) in MIGRATIONS {
+        for (_, sql) in MIGRATIONS.iter().chain([&NOTIFY_TRIGGER]) {
             let up = up_section(sql);
             assert!(!up.contains("+goose"));
             assert!(!up.contains("DROP PUBLICATION"));
@@ -145,6 +150,7 @@ mod tests {
         let t = TableName::parse("app.events").unwrap();
         let all: String = MIGRATIONS
             .iter()
+            .chain([&NOTIFY_TRIGGER])
             .map(|(_, s)| render(&up_section(s), &t, "pub_x"))
             .collect();
         assert!(all.contains("CREATE TABLE IF NOT EXISTS app.events ("));

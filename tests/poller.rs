@@ -390,3 +390,26 @@ async fn cleanup_removes_only_old_published_rows() {
         .collect();
     assert_eq!(left, ["new.published", "unpublished", "old.unpublished"]);
 }
+
+/// With the optional insert trigger, poll mode is woken by NOTIFY instead of its interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_wakes_poll_mode_before_its_interval() {
+    let db = TestDb::new("notify").await;
+    relay_cmd(&["migrate", "--with-notify-trigger"], &db);
+    let redis = Redis::start();
+    let relay = Relay::start(run_args(
+        &db,
+        &redis.url,
+        &["--mode", "poll", "--poll-interval", "1h"],
+    ));
+    eventually("the first (empty) round is done", || async {
+        (relay.metrics.poller_rounds.get() >= 1).then_some(())
+    })
+    .await;
+    // Give the listener time to subscribe; the next round is an hour away otherwise.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let mut c = db.client().await;
+    let ids = insert_events(&mut c, "woken.up", 3, 3).await;
+    assert_eq!(wait_pending(&redis, "default", 3).await, ids);
+    relay.stop().await;
+}

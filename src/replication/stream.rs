@@ -111,8 +111,8 @@ impl<S: Sink> Stream<S> {
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
         let mut standby_logged = false;
         loop {
-            let started = Instant::now();
-            let result = self.session(&shutdown).await;
+            let mut streamed = false;
+            let result = self.session(&shutdown, &mut streamed).await;
             self.metrics.stream_up.set(0);
             if matches!(result, Ok(SessionEnd::Shutdown)) {
                 self.metrics.stream_standby.set(0);
@@ -135,11 +135,14 @@ impl<S: Sink> Stream<S> {
                 }
                 Ok(SessionEnd::ServerClosed) => {
                     tracing::warn!("replication stream closed by the server");
-                    self.next_delay(&mut backoff, started)
+                    self.next_delay(&mut backoff, streamed)
                 }
                 Err(e) if e.is_retryable() => {
                     tracing::warn!(error = %error_chain(&e), "replication stream lost");
-                    self.next_delay(&mut backoff, started)
+                    // A stream that failed on its own data would fail again at once: only
+                    // a session that streamed and then lost its connection starts afresh.
+                    let fresh = streamed && !matches!(e, StreamError::Decode(_));
+                    self.next_delay(&mut backoff, fresh)
                 }
                 Err(e) => return Err(e),
             };
@@ -150,8 +153,10 @@ impl<S: Sink> Stream<S> {
         }
     }
 
-    fn next_delay(&self, backoff: &mut Backoff, session_started: Instant) -> Duration {
-        if session_started.elapsed() > Duration::from_secs(30) {
+    /// The delay before reconnecting: from the first step again after a session that
+    /// streamed (a lost connection), growing while connecting keeps failing.
+    fn next_delay(&self, backoff: &mut Backoff, streamed: bool) -> Duration {
+        if streamed {
             backoff.reset();
         }
         self.metrics
@@ -235,7 +240,11 @@ impl<S: Sink> Stream<S> {
         Ok(info.confirmed_flush)
     }
 
-    async fn session(&self, shutdown: &CancellationToken) -> Result<SessionEnd, StreamError> {
+    async fn session(
+        &self,
+        shutdown: &CancellationToken,
+        streamed: &mut bool,
+    ) -> Result<SessionEnd, StreamError> {
         let start = self.slot_position().await?;
         let cfg = self
             .pg
@@ -255,6 +264,7 @@ impl<S: Sink> Stream<S> {
             r = client.wait_started() => r.map_err(StreamError::Replication)?,
         }
         tracing::info!(slot = %self.settings.slot, lsn = %start, "replication stream started");
+        *streamed = true;
         self.metrics.stream_up.set(1);
         let mut session = Session::new(self, start);
         let end = session.run(&mut client, shutdown).await;

@@ -188,6 +188,7 @@ impl TestDb {
                 &mut c,
                 &TableName::parse("outbox_events").unwrap(),
                 "outbox_relay",
+                false,
             )
             .await
             .unwrap();
