@@ -434,6 +434,8 @@ def steady_step(env: Env, url: str, relay: Relay, rate: int) -> dict:
     conns = max(2, min(32, math.ceil(rate / 1250)))
     log(f"  steady {rate:,}/s for {a.step_seconds:g} s ({conns} connections)")
     env.flush_redis()
+    cpu0 = proc_cpu_seconds(relay.p.pid)
+    writes0 = relay.metrics().get("outbox_batch_duration_seconds_count", math.nan)
     gen = subprocess.run([a.load_gen, "--database-url", url, "--rate", str(rate),
                           "--seconds", str(a.step_seconds), "--connections", str(conns),
                           "--out", str(rows_file)], check=True, capture_output=True, text=True)
@@ -447,6 +449,8 @@ def steady_step(env: Env, url: str, relay: Relay, rate: int) -> dict:
     except RuntimeError as e:
         log(f"  not drained: {e}")
         drained_after = math.nan
+    cpu = proc_cpu_seconds(relay.p.pid) - cpu0
+    writes = relay.metrics().get("outbox_batch_duration_seconds_count", math.nan) - writes0
     timed, missing = latencies(env, url, rows_file)
     rows_file.unlink()
     lat = sorted(ms for _, ms in timed)
@@ -462,12 +466,15 @@ def steady_step(env: Env, url: str, relay: Relay, rate: int) -> dict:
     step = {"target": rate, "achieved": g["achieved_rate"], "events": inserted,
             "connections": conns, "missing": missing, "backlog_at_end": backlog_at_end,
             "drained_after_s": drained_after, "p50_ms": percentile(lat, 0.50), "p99_ms": p99,
-            "max_ms": lat[-1] if lat else math.nan, "drift_ms": drift, "kept_up": kept_up}
+            "max_ms": lat[-1] if lat else math.nan, "drift_ms": drift, "kept_up": kept_up,
+            "relay_cpu_us_per_event": cpu / max(inserted, 1) * 1e6,
+            "tasks_per_write": inserted / writes if writes else math.nan}
     # A CDF for the plot: 500 quantiles are plenty.
     step["cdf_ms"] = [percentile(lat, (i + 1) / 500) for i in range(500)] if lat else []
     log(f"    achieved {g['achieved_rate']:,.0f}/s, p50 {step['p50_ms']:.1f} ms, "
         f"p99 {p99:.1f} ms, max {step['max_ms']:.1f} ms, drift {drift:.1f} ms, "
-        f"kept up: {kept_up}")
+        f"relay CPU {step['relay_cpu_us_per_event']:.1f} µs/event, "
+        f"{step['tasks_per_write']:.1f} tasks/write, kept up: {kept_up}")
     return step
 
 
@@ -483,6 +490,9 @@ def phase_steady(env: Env) -> list[dict]:
         fixed, ramp = steady_rates(env.a)
         for rate in fixed:
             steps.append(steady_step(env, url, relay, rate))
+        if not all(st["kept_up"] for st in steps):
+            log("  a fixed rate was not kept up: no ramp")
+            ramp = []
         for rate in ramp:
             step = steady_step(env, url, relay, rate)
             step["ramp"] = True

@@ -148,14 +148,16 @@ def _steady(a: argparse.Namespace, steady: list[dict]) -> list[str]:
     lines = [
         "**Steady load**: single-row transactions at a fixed rate; latency from the commit"
         " timestamp to the task hash's `pending_since`.", "",
-        "| target/s | achieved/s | events | p50 ms | p99 ms | max ms | drift ms | kept up |",
-        "|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "| target/s | achieved/s | events | p50 ms | p99 ms | max ms | drift ms "
+        "| relay CPU µs/event | tasks per write | kept up |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for st in steady:
         lines.append(
             f"| {st['target']:,} | {_rate(st['achieved'])} | {st['events']:,} "
             f"| {_num(st['p50_ms'], 1)} | {_num(st['p99_ms'], 1)} | {_num(st['max_ms'], 1)} "
-            f"| {_num(st['drift_ms'], 1)} | {'yes' if st['kept_up'] else 'no'} |")
+            f"| {_num(st['drift_ms'], 1)} | {_num(st['relay_cpu_us_per_event'], 1)} "
+            f"| {_num(st['tasks_per_write'], 1)} | {'yes' if st['kept_up'] else 'no'} |")
     sustained = [st for st in steady if st["kept_up"]]
     lines.append("")
     if sustained:
@@ -167,8 +169,9 @@ def _steady(a: argparse.Namespace, steady: list[dict]) -> list[str]:
         f" stayed under {a.max_p99_ms:g} ms and the median latency of the last fifth of the"
         f" events was at most {a.max_drift_ms:g} ms above that of the first fifth (\"drift\": a"
         " relay that falls behind builds a backlog, so its latency climbs through the step). The"
-        " ramp stops at the first rate that is not kept up. The load generator, Postgres, Valkey"
-        " and the relay share the machine's cores.",
+        " ramp stops at the first rate that is not kept up. Relay CPU and tasks per Valkey write"
+        " cover the step and its drain. The load generator, Postgres, Valkey and the relay share"
+        " the machine's cores.",
         "",
         "![commit-to-enqueued latency](bench-latency.png)",
         "",
