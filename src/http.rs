@@ -57,10 +57,9 @@ async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
 
 async fn ready(State(state): State<AppState>) -> impl IntoResponse {
     let m = &state.metrics;
-    match m
-        .health
-        .ready(m.stream_up.get() == 1, m.stream_stalled.get() == 1)
-    {
+    // A standby replica delivers through its poller while another replica streams.
+    let streaming = m.stream_up.get() == 1 || m.stream_standby.get() == 1;
+    match m.health.ready(streaming, m.stream_stalled.get() == 1) {
         Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
