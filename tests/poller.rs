@@ -413,3 +413,26 @@ async fn notify_wakes_poll_mode_before_its_interval() {
     assert_eq!(wait_pending(&redis, "default", 3).await, ids);
     relay.stop().await;
 }
+
+/// With OUTBOX_ON_SLOT_LOST=stop, a dropped slot stops the relay with an error that says why
+/// (instead of recreating it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_slot_can_stop_the_relay_instead() {
+    let db = TestDb::new("slotstop").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &["--on-slot-lost", "stop"])).await;
+    let admin = db.client().await;
+    eventually("the slot is dropped", || async {
+        let _ = admin
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                &[&db.slot],
+            )
+            .await;
+        admin.execute("SELECT pg_drop_replication_slot($1)", &[&db.slot]).await.ok().map(|_| ())
+    })
+    .await;
+    let err = relay.join().await.unwrap_err();
+    assert!(err.to_string().contains("OUTBOX_ON_SLOT_LOST=stop"), "{err}");
+    assert_eq!(db.confirmed_flush().await, None, "the slot was not recreated");
+}
