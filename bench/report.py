@@ -208,7 +208,7 @@ def plot(a: argparse.Namespace, steady: list[dict], path: Path) -> None:
     left.set_yscale("log")
     thousands = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}")
     left.xaxis.set_major_formatter(thousands)
-    left.xaxis.set_minor_formatter(thousands)
+    left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     left.set_xlabel("achieved insert rate (events/s)")
     left.set_ylabel("commit → enqueued latency (ms)")
     left.set_title("latency percentiles vs insert rate")

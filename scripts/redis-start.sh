@@ -2,12 +2,16 @@
 # scripts/redis-start.sh — start a throwaway Redis server for tests/demos.
 #
 # Usage:
-#   scripts/redis-start.sh DIR [PORT]
+#   scripts/redis-start.sh DIR [PORT] [-- SERVER_ARGS...]
 #
 #   DIR   directory for the server (created if missing): redis.pid,
-#         redis.log, `port` and `url` live there.
+#         redis.log, `port` and `url` live there. If DIR/redis.conf exists,
+#         redis-server is started with it as its config file (for example a
+#         sentinel.conf, with `--sentinel` among SERVER_ARGS).
 #   PORT  TCP port on 127.0.0.1; default: the port recorded in DIR/port when
 #         restarting, else a free port from the kernel.
+#   SERVER_ARGS  more redis-server options (e.g. `--cluster-enabled yes`),
+#         after the script's own; give them again on a restart.
 #
 # Starts `redis-server` daemonized on 127.0.0.1 with no persistence
 # (--save "" --appendonly no), waits up to ~10 s for PING to answer PONG and
@@ -24,10 +28,21 @@ usage() {
     exit 2
 }
 
-[[ $# -ge 1 && $# -le 2 ]] || usage
+[[ $# -ge 1 ]] || usage
 [[ $1 != -h && $1 != --help ]] || usage
 DIR=$(abs_path "$1")
-PORT=${2:-}
+shift
+PORT=""
+if [[ $# -ge 1 && $1 != -- ]]; then
+    PORT=$1
+    shift
+fi
+EXTRA=()
+if [[ $# -ge 1 ]]; then
+    [[ $1 == -- ]] || usage
+    shift
+    EXTRA=("$@")
+fi
 if [[ -n $PORT ]] && { ! [[ $PORT =~ ^[0-9]+$ ]] || ((PORT < 1 || PORT > 65535)); }; then
     die "bad PORT '$PORT'"
 fi
@@ -84,9 +99,11 @@ while :; do
     log_lines=0
     [[ -f $LOGFILE ]] && log_lines=$(wc -l <"$LOGFILE")
     log "starting redis-server on 127.0.0.1:$PORT (dir $DIR, log $LOGFILE)"
-    redis-server --daemonize yes --bind 127.0.0.1 --port "$PORT" \
+    CONF=()
+    [[ -f $DIR/redis.conf ]] && CONF=("$DIR/redis.conf")
+    redis-server "${CONF[@]}" --daemonize yes --bind 127.0.0.1 --port "$PORT" \
         --save "" --appendonly no --dir "$DIR" \
-        --pidfile "$PIDFILE" --logfile "$LOGFILE" >&2 ||
+        --pidfile "$PIDFILE" --logfile "$LOGFILE" "${EXTRA[@]}" >&2 ||
         die "redis-server failed to launch"
 
     ok=0

@@ -7,6 +7,7 @@
 use crate::pgoutput::TableName;
 use crate::task::{PayloadFormat, QueueRoute, TaskSettings};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -115,9 +116,20 @@ pub struct PeekArgs {
 /// Where the outbox lives.
 #[derive(Debug, Clone, Args)]
 pub struct DatabaseArgs {
-    /// PostgreSQL URL (postgres://user:password@host:port/dbname).
-    #[arg(long, env = "OUTBOX_DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    /// PostgreSQL URL (postgres://user:password@host:port/dbname; sslmode, sslrootcert,
+    /// sslcert and sslkey as in libpq).
+    #[arg(
+        long,
+        env = "OUTBOX_DATABASE_URL",
+        hide_env_values = true,
+        required_unless_present = "database_url_file",
+        conflicts_with = "database_url_file"
+    )]
+    pub database_url: Option<String>,
+    /// A file holding the PostgreSQL URL instead (a mounted secret; a trailing newline is
+    /// ignored).
+    #[arg(long, env = "OUTBOX_DATABASE_URL_FILE", value_name = "PATH", value_parser = read_secret_file)]
+    pub database_url_file: Option<SecretFile>,
     /// The outbox table, `table` or `schema.table`.
     #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox_events", value_parser = parse_table)]
     pub table: TableName,
@@ -141,43 +153,221 @@ pub struct MigrateArgs {
 pub struct ValkeyArgs {
     /// Valkey/Redis URL (redis://[user:password@]host:port/db). When unset, VALKEY_ADDR,
     /// VALKEY_PASSWORD and VALKEY_DB are used, as the Go kit does.
-    #[arg(long, env = "OUTBOX_VALKEY_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "OUTBOX_VALKEY_URL",
+        hide_env_values = true,
+        conflicts_with = "valkey_url_file"
+    )]
     pub valkey_url: Option<String>,
+    /// A file holding the Valkey URL(s) instead (a mounted secret; a trailing newline is
+    /// ignored).
+    #[arg(long, env = "OUTBOX_VALKEY_URL_FILE", value_name = "PATH", value_parser = read_secret_file)]
+    pub valkey_url_file: Option<SecretFile>,
     /// host:port, used when OUTBOX_VALKEY_URL is unset.
     #[arg(long, env = "VALKEY_ADDR", default_value = "localhost:6379")]
     pub valkey_addr: String,
     /// Password, used when OUTBOX_VALKEY_URL is unset.
-    #[arg(long, env = "VALKEY_PASSWORD", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "VALKEY_PASSWORD",
+        hide_env_values = true,
+        conflicts_with = "valkey_password_file"
+    )]
     pub valkey_password: Option<String>,
+    /// A file holding the password instead (a trailing newline is ignored).
+    #[arg(long, env = "VALKEY_PASSWORD_FILE", value_name = "PATH", value_parser = read_secret_file)]
+    pub valkey_password_file: Option<SecretFile>,
     /// Database number, used when OUTBOX_VALKEY_URL is unset.
     #[arg(long, env = "VALKEY_DB", default_value_t = 0)]
     pub valkey_db: u32,
     /// How long one Valkey command may take before it counts as failed.
     #[arg(long, env = "OUTBOX_VALKEY_TIMEOUT", default_value = "5s", value_parser = parse_positive_duration)]
     pub valkey_timeout: Duration,
+    /// Valkey/Redis Cluster: the URLs (comma-separated) are seed nodes; one reachable node is
+    /// enough to find the others.
+    #[arg(long, env = "OUTBOX_VALKEY_CLUSTER", default_value_t = false, action = clap::ArgAction::Set)]
+    pub valkey_cluster: bool,
+    /// Sentinel: connect to the primary the sentinels know by this name; the URLs
+    /// (comma-separated) are then the sentinels', their user, password and database the primary's.
+    #[arg(long, env = "OUTBOX_VALKEY_SENTINEL_MASTER")]
+    pub valkey_sentinel_master: Option<String>,
+    /// Password of the sentinels themselves, when they require one.
+    #[arg(long, env = "OUTBOX_VALKEY_SENTINEL_PASSWORD", hide_env_values = true)]
+    pub valkey_sentinel_password: Option<String>,
+    /// PEM file of the CA certificates that sign Valkey's TLS certificate (rediss:// URLs;
+    /// without it, Mozilla's root certificates are trusted).
+    #[arg(long, env = "OUTBOX_VALKEY_CA_FILE", value_name = "PATH")]
+    pub valkey_ca_file: Option<PathBuf>,
+    /// PEM client certificate (chain), for a Valkey with `tls-auth-clients`; with the key file.
+    #[arg(
+        long,
+        env = "OUTBOX_VALKEY_CLIENT_CERT_FILE",
+        value_name = "PATH",
+        requires = "valkey_client_key_file"
+    )]
+    pub valkey_client_cert_file: Option<PathBuf>,
+    /// PEM private key of the client certificate.
+    #[arg(
+        long,
+        env = "OUTBOX_VALKEY_CLIENT_KEY_FILE",
+        value_name = "PATH",
+        requires = "valkey_client_cert_file"
+    )]
+    pub valkey_client_key_file: Option<PathBuf>,
 }
 
 impl ValkeyArgs {
-    /// The URL to connect to (may contain a password: never log it).
+    /// The URL to connect to, or the comma-separated URLs of cluster nodes or sentinels (may
+    /// contain a password: never log it).
     pub fn url(&self) -> String {
-        if let Some(url) = &self.valkey_url {
-            return url.clone();
+        if let Some(url) = self.given_url() {
+            return url.to_owned();
         }
-        let auth = match &self.valkey_password {
+        let password = self
+            .valkey_password
+            .as_deref()
+            .or(self.valkey_password_file.as_ref().map(SecretFile::value));
+        let auth = match password {
             Some(p) if !p.is_empty() => format!(":{}@", percent_encode(p)),
             _ => String::new(),
         };
-        format!("redis://{auth}{}/{}", self.valkey_addr, self.valkey_db)
+        crate::valkey::split_urls(&self.valkey_addr)
+            .iter()
+            .map(|addr| format!("redis://{auth}{addr}/{}", self.valkey_db))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// How the URLs are used: one server, cluster seed nodes, or sentinels.
+    pub fn topology(&self) -> crate::valkey::Topology {
+        use crate::valkey::Topology;
+        match &self.valkey_sentinel_master {
+            Some(master) => Topology::Sentinel {
+                master: master.clone(),
+                password: self.valkey_sentinel_password.clone(),
+            },
+            None if self.valkey_cluster => Topology::Cluster,
+            None => Topology::Single,
+        }
+    }
+
+    /// The validated target in its topology (no connection yet).
+    pub fn target(&self) -> Result<crate::valkey::ValkeyTarget, ConfigError> {
+        if self.valkey_cluster && self.valkey_sentinel_master.is_some() {
+            return Err(ConfigError::Invalid {
+                setting: "OUTBOX_VALKEY_CLUSTER",
+                reason: "a cluster is not reached through sentinels: unset OUTBOX_VALKEY_CLUSTER \
+                         or OUTBOX_VALKEY_SENTINEL_MASTER"
+                    .into(),
+            });
+        }
+        let setting = self.url_setting();
+        crate::tls::install_default_provider();
+        let target =
+            crate::valkey::ValkeyTarget::new(&self.url(), &self.topology(), self.valkey_timeout)
+                .map_err(|reason| ConfigError::Invalid { setting, reason })?;
+        match (target, self.tls_certificates()?) {
+            (target, None) => Ok(target),
+            (crate::valkey::ValkeyTarget::Single { client, timeout }, Some(certs)) => {
+                let client =
+                    redis::Client::build_with_tls(client.get_connection_info().clone(), certs)
+                        .map_err(|e| ConfigError::Invalid {
+                            setting,
+                            reason: e.to_string(),
+                        })?;
+                Ok(crate::valkey::ValkeyTarget::Single { client, timeout })
+            }
+            (_, Some(_)) => Err(ConfigError::Invalid {
+                setting: "OUTBOX_VALKEY_CA_FILE",
+                reason: "CA and client certificate files are not supported with a cluster or \
+                         sentinels yet (rediss:// with publicly trusted certificates is)"
+                    .into(),
+            }),
+        }
+    }
+
+    /// OUTBOX_VALKEY_URL, or the contents of OUTBOX_VALKEY_URL_FILE.
+    fn given_url(&self) -> Option<&str> {
+        self.valkey_url
+            .as_deref()
+            .or(self.valkey_url_file.as_ref().map(SecretFile::value))
+    }
+
+    /// The setting the URL comes from, for messages.
+    fn url_setting(&self) -> &'static str {
+        match (&self.valkey_url, &self.valkey_url_file) {
+            (Some(_), _) => "OUTBOX_VALKEY_URL",
+            (None, Some(_)) => "OUTBOX_VALKEY_URL_FILE",
+            (None, None) => "VALKEY_ADDR/VALKEY_PASSWORD/VALKEY_DB",
+        }
+    }
+
+    /// The CA and client certificate files, read and checked, for `rediss://` URLs. `None`
+    /// when neither is set (a `rediss://` URL then trusts Mozilla's root certificates).
+    pub fn tls_certificates(&self) -> Result<Option<redis::TlsCertificates>, ConfigError> {
+        if self.valkey_ca_file.is_none() && self.valkey_client_cert_file.is_none() {
+            return Ok(None);
+        }
+        let setting = if self.valkey_ca_file.is_some() {
+            "OUTBOX_VALKEY_CA_FILE"
+        } else {
+            "OUTBOX_VALKEY_CLIENT_CERT_FILE"
+        };
+        let tls_url = self.given_url().is_some_and(|urls| {
+            urls.split(',')
+                .map(str::trim)
+                .filter(|u| !u.is_empty())
+                .all(|u| u.starts_with("rediss://") || u.starts_with("valkeys://"))
+        });
+        if !tls_url {
+            return Err(ConfigError::Invalid {
+                setting,
+                reason: "TLS needs rediss:// (or valkeys://) URLs in OUTBOX_VALKEY_URL".into(),
+            });
+        }
+        // Parsed here too, so a bad file is named; redis parses the same bytes again.
+        let pem = |path: &PathBuf,
+                   setting: &'static str,
+                   check: &dyn Fn(&std::path::Path) -> Result<(), String>| {
+            check(path).map_err(|reason| ConfigError::Invalid { setting, reason })?;
+            std::fs::read(path).map_err(|e| ConfigError::Invalid {
+                setting,
+                reason: format!("cannot read {}: {e}", path.display()),
+            })
+        };
+        let root_cert = match &self.valkey_ca_file {
+            Some(path) => Some(pem(path, "OUTBOX_VALKEY_CA_FILE", &|p| {
+                crate::tls::root_store_from_file(p, "file").map(drop)
+            })?),
+            None => None,
+        };
+        let client_tls = match (&self.valkey_client_cert_file, &self.valkey_client_key_file) {
+            (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+                client_cert: pem(cert, "OUTBOX_VALKEY_CLIENT_CERT_FILE", &|p| {
+                    crate::tls::load_certs(p, "file").map(drop)
+                })?,
+                client_key: pem(key, "OUTBOX_VALKEY_CLIENT_KEY_FILE", &|p| {
+                    crate::tls::load_key(p, "file").map(drop)
+                })?,
+            }),
+            _ => None,
+        };
+        Ok(Some(redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        }))
     }
 
     /// The validated client (no connection yet).
     pub fn client(&self) -> Result<redis::Client, ConfigError> {
-        let setting = if self.valkey_url.is_some() {
-            "OUTBOX_VALKEY_URL"
-        } else {
-            "VALKEY_ADDR/VALKEY_PASSWORD/VALKEY_DB"
+        crate::tls::install_default_provider();
+        let setting = self.url_setting();
+        let client = match self.tls_certificates()? {
+            Some(certs) => redis::Client::build_with_tls(self.url(), certs),
+            None => redis::Client::open(self.url()),
         };
-        redis::Client::open(self.url()).map_err(|e| ConfigError::Invalid {
+        client.map_err(|e| ConfigError::Invalid {
             setting,
             reason: e.to_string(),
         })
@@ -185,9 +375,20 @@ impl ValkeyArgs {
 
     /// Where Valkey is, without credentials, for messages.
     pub fn display(&self) -> String {
-        match &self.valkey_url {
-            Some(url) => redact_url(url),
+        let at = match self.given_url() {
+            Some(url) => crate::valkey::split_urls(url)
+                .into_iter()
+                .map(redact_url)
+                .collect::<Vec<_>>()
+                .join(","),
             None => self.valkey_addr.clone(),
+        };
+        match self.topology() {
+            crate::valkey::Topology::Single => at,
+            crate::valkey::Topology::Cluster => format!("{at} (cluster)"),
+            crate::valkey::Topology::Sentinel { master, .. } => {
+                format!("{at} (sentinels of {master})")
+            }
         }
     }
 }
@@ -308,20 +509,74 @@ pub enum OnSlotLost {
 }
 
 impl DatabaseArgs {
+    /// The database URL, from OUTBOX_DATABASE_URL or the file of OUTBOX_DATABASE_URL_FILE (may
+    /// contain a password: never log it).
+    pub fn url(&self) -> &str {
+        match (&self.database_url, &self.database_url_file) {
+            (Some(url), _) => url,
+            (None, Some(file)) => file.value(),
+            (None, None) => "",
+        }
+    }
+
     /// The parsed database URL.
     pub fn target(&self) -> Result<crate::postgres::PgTarget, ConfigError> {
-        crate::postgres::PgTarget::parse(&self.database_url).map_err(|e| ConfigError::Invalid {
-            setting: "OUTBOX_DATABASE_URL",
+        let setting = if self.database_url.is_none() && self.database_url_file.is_some() {
+            "OUTBOX_DATABASE_URL_FILE"
+        } else {
+            "OUTBOX_DATABASE_URL"
+        };
+        crate::postgres::PgTarget::parse(self.url()).map_err(|e| ConfigError::Invalid {
+            setting,
             reason: e.to_string(),
         })
     }
+}
+
+/// A secret read from a file (`*_FILE` settings): the contents with trailing line breaks
+/// removed. Its `Debug` shows the path only.
+#[derive(Clone)]
+pub struct SecretFile {
+    path: PathBuf,
+    value: String,
+}
+
+impl SecretFile {
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    pub fn value(&self) -> &str {
+        &self.value
+    }
+}
+
+impl std::fmt::Debug for SecretFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SecretFile({})", self.path.display())
+    }
+}
+
+/// Reads a `*_FILE` setting's file when the command line is parsed, so an unreadable file is a
+/// configuration error (exit code 2) naming the setting. The message never quotes the contents.
+pub fn read_secret_file(path: &str) -> Result<SecretFile, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let text = String::from_utf8(bytes).map_err(|_| format!("{path} is not UTF-8 text"))?;
+    let value = text.trim_end_matches(['\n', '\r']).to_owned();
+    if value.is_empty() {
+        return Err(format!("{path} is empty"));
+    }
+    Ok(SecretFile {
+        path: PathBuf::from(path),
+        value,
+    })
 }
 
 impl RunArgs {
     /// Checks what clap cannot: URLs parse. Runs before anything connects.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.db.target()?;
-        self.valkey.client()?;
+        self.valkey.target()?;
         Ok(())
     }
 
@@ -488,12 +743,28 @@ fn percent_encode(s: &str) -> String {
         .collect()
 }
 
-/// A URL with its password replaced by `***`, for messages.
+/// A URL with its password replaced by `***`, for messages: the password of the authority,
+/// and the `pass`/`password` query parameters (Unix-socket URLs carry it there).
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
         Ok(mut u) => {
             if u.password().is_some() {
                 let _ = u.set_password(Some("***"));
+            }
+            let secret = |k: &str| matches!(k, "pass" | "password");
+            if u.query_pairs().any(|(k, _)| secret(&k)) {
+                let pairs: Vec<(String, String)> = u
+                    .query_pairs()
+                    .map(|(k, v)| {
+                        let v = if secret(&k) {
+                            "***".into()
+                        } else {
+                            v.into_owned()
+                        };
+                        (k.into_owned(), v)
+                    })
+                    .collect();
+                u.query_pairs_mut().clear().extend_pairs(pairs);
             }
             u.to_string()
         }
@@ -543,6 +814,14 @@ mod tests {
             valkey_password: Some("p@ss word".into()),
             valkey_db: 3,
             valkey_timeout: Duration::from_secs(1),
+            valkey_cluster: false,
+            valkey_sentinel_master: None,
+            valkey_sentinel_password: None,
+            valkey_url_file: None,
+            valkey_password_file: None,
+            valkey_ca_file: None,
+            valkey_client_cert_file: None,
+            valkey_client_key_file: None,
         };
         assert_eq!(v.url(), "redis://:p%40ss%20word@cache:6380/3");
         assert!(v.client().is_ok());
@@ -552,6 +831,63 @@ mod tests {
             ..v
         };
         assert_eq!(v.display(), "redis://u:***@h:1/0");
+        assert_eq!(
+            redact_url("redis+unix:///run/valkey.sock?db=2&pass=secret"),
+            "redis+unix:///run/valkey.sock?db=2&pass=***"
+        );
+    }
+
+    #[test]
+    fn valkey_cluster_and_sentinel_url_lists() {
+        let single = ValkeyArgs {
+            valkey_url: Some("redis://:pw@a:1, redis://:pw@b:2".into()),
+            valkey_addr: "localhost:6379".into(),
+            valkey_password: None,
+            valkey_db: 0,
+            valkey_timeout: Duration::from_secs(1),
+            valkey_cluster: false,
+            valkey_sentinel_master: None,
+            valkey_sentinel_password: None,
+            valkey_url_file: None,
+            valkey_password_file: None,
+            valkey_ca_file: None,
+            valkey_client_cert_file: None,
+            valkey_client_key_file: None,
+        };
+        // A list needs a topology that uses one.
+        assert!(single.target().is_err());
+        let cluster = ValkeyArgs {
+            valkey_cluster: true,
+            ..single.clone()
+        };
+        assert!(cluster.target().is_ok());
+        assert_eq!(
+            cluster.display(),
+            "redis://:***@a:1,redis://:***@b:2 (cluster)"
+        );
+        let sentinel = ValkeyArgs {
+            valkey_sentinel_master: Some("mymaster".into()),
+            valkey_sentinel_password: Some("sentinel-secret".into()),
+            ..single.clone()
+        };
+        assert!(sentinel.target().is_ok());
+        assert!(!sentinel.display().contains("pw") && !sentinel.display().contains("secret"));
+        assert!(sentinel.display().ends_with("(sentinels of mymaster)"));
+        let both = ValkeyArgs {
+            valkey_cluster: true,
+            ..sentinel.clone()
+        };
+        assert!(both.target().is_err());
+        // The kit's VALKEY_ADDR may list several nodes too.
+        let kit = ValkeyArgs {
+            valkey_url: None,
+            valkey_addr: "a:1,b:2".into(),
+            valkey_password: Some("p".into()),
+            valkey_db: 0,
+            ..cluster
+        };
+        assert_eq!(kit.url(), "redis://:p@a:1/0,redis://:p@b:2/0");
+        assert!(kit.target().is_ok());
     }
 
     #[test]

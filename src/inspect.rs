@@ -21,7 +21,7 @@ pub struct PendingTask {
 
 /// The `limit` oldest pending tasks of `queue` (the next ones a server will take).
 pub async fn peek(
-    conn: &mut redis::aio::ConnectionManager,
+    conn: &mut crate::valkey::ValkeyConnection,
     queue: &str,
     limit: usize,
 ) -> redis::RedisResult<Vec<PendingTask>> {

@@ -8,6 +8,8 @@
 //! - [`task`]: PURE row -> asynq task (the Go kit's Envelope, asynq's TaskMessage bytes).
 //! - [`sink`]: the [`sink::Sink`] contract; the Valkey writer (asynq's enqueue script,
 //!   pipelined) and an in-memory sink for tests.
+//! - [`valkey`]: connections to Valkey as one server, a cluster, or a primary found through
+//!   Sentinel.
 //! - [`replication`]: slot/publication setup and checks, the stream loop, the in-flight writes
 //!   and the acknowledgement bookkeeping.
 //! - [`poller`]: the FOR UPDATE SKIP LOCKED recovery/backfill loop, and poll mode.
@@ -23,6 +25,8 @@
 //!   [`http`]: `/metrics`, `/healthz`, `/readyz`; [`monitor`]: periodic gauges, reachability,
 //!   heartbeat and stall detection; [`status`]: the `status` command.
 //! - [`backoff`]: the one capped-exponential retry delay.
+//! - [`tls`]: PostgreSQL `sslmode` (SQL and replication connections), PEM files, the rustls
+//!   crypto provider.
 
 pub mod admin;
 pub mod backoff;
@@ -44,3 +48,5 @@ pub mod sink;
 pub mod status;
 pub mod store;
 pub mod task;
+pub mod tls;
+pub mod valkey;

@@ -53,42 +53,58 @@ fn validate(command: &Command) -> Result<(), outbox_relay::config::ConfigError> 
     match command {
         Command::Run(args) => args.validate(),
         Command::Migrate(args) => args.db.target().map(|_| ()),
-        Command::Peek(args) => args.valkey.client().map(|_| ()),
+        Command::Peek(args) => args.valkey.target().map(|_| ()),
         Command::DeadLetters(DeadLettersCommand::List { db, .. })
         | Command::DeadLetters(DeadLettersCommand::Retry { db, .. }) => db.target().map(|_| ()),
         Command::Cleanup(args) => args.db.target().map(|_| ()),
         Command::Status(args) => {
             args.db.target()?;
-            args.valkey.client().map(|_| ())
+            args.valkey.target().map(|_| ())
         }
     }
 }
 
 /// clap's error, with the environment variable of the offending flag named too.
 fn name_the_env_var(e: &clap::Error) -> String {
-    use clap::error::{ContextKind, ContextValue};
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
     let text = e.render().to_string();
-    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
-        return text;
-    };
-    let long = arg
-        .split_whitespace()
-        .next()
-        .unwrap_or("")
-        .trim_start_matches("--");
-    let cmd = <Cli as clap::CommandFactory>::command();
-    let env = std::iter::once(&cmd)
-        .chain(cmd.get_subcommands())
-        .flat_map(|c| c.get_arguments())
-        .find(|a| a.get_long() == Some(long))
-        .and_then(|a| a.get_env())
-        .map(|v| v.to_string_lossy().into_owned());
-    match env {
-        Some(env) => {
-            let first = text.lines().next().unwrap_or("");
-            format!("{first} (environment variable {env})")
+    // The offending argument(s): one, a conflicting pair, or the missing ones.
+    let mut args: Vec<String> = Vec::new();
+    for kind in [ContextKind::InvalidArg, ContextKind::PriorArg] {
+        match e.get(kind) {
+            Some(ContextValue::String(a)) => args.push(a.clone()),
+            Some(ContextValue::Strings(list)) => args.extend(list.iter().cloned()),
+            _ => {}
         }
-        None => text,
+    }
+    let cmd = <Cli as clap::CommandFactory>::command();
+    let env_of = |arg: &str| {
+        let long = arg
+            .split_whitespace()
+            .next()
+            .unwrap_or("")
+            .trim_start_matches("--");
+        std::iter::once(&cmd)
+            .chain(cmd.get_subcommands())
+            .flat_map(|c| c.get_arguments())
+            .find(|a| a.get_long() == Some(long))
+            .and_then(|a| a.get_env())
+            .map(|v| v.to_string_lossy().into_owned())
+    };
+    let envs: Vec<String> = args.iter().filter_map(|a| env_of(a)).collect();
+    if envs.is_empty() {
+        return text;
+    }
+    let first = text.lines().next().unwrap_or("");
+    let named = match envs.as_slice() {
+        [one] => format!("environment variable {one}"),
+        many => format!("environment variables {}", many.join(", ")),
+    };
+    if e.kind() == ErrorKind::MissingRequiredArgument {
+        // clap lists the missing arguments on lines of their own: keep it to one line.
+        format!("{first} {} ({named})", args.join(", "))
+    } else {
+        format!("{first} ({named})")
     }
 }
 
@@ -132,7 +148,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         }
         Command::Status(args) => {
             let client = args.db.target()?.connect().await?;
-            let valkey = match args.valkey.client()?.get_connection_manager().await {
+            let valkey = match args.valkey.target()?.connect().await {
                 Ok(conn) => Some(conn),
                 Err(e) => {
                     tracing::warn!(error = %e, valkey = %args.valkey.display(), "valkey unreachable");
@@ -155,9 +171,10 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Peek(args) => {
-            let client = args.valkey.client()?;
-            let mut conn = client
-                .get_connection_manager()
+            let mut conn = args
+                .valkey
+                .target()?
+                .connect()
                 .await
                 .with_context(|| format!("cannot reach Valkey at {}", args.valkey.display()))?;
             let tasks = outbox_relay::inspect::peek(&mut conn, &args.queue, args.limit).await?;

@@ -1,50 +1,75 @@
 //! Marks rows the stream delivered as published, in coalesced batches off the stream's hot path,
 //! so the recovery poller does not redo them.
 //!
-//! The stream hands over row ids without waiting ([`MarkerHandle::mark`] never blocks). If this
-//! task falls too far behind (Postgres slow or down), ids beyond the bound are dropped and
-//! counted: those rows stay unpublished and the recovery poller re-sends them, which asynq's
-//! TaskID dedupe absorbs. Correctness never depends on marking; it only saves work.
+//! The stream hands over row ids without waiting ([`MarkerHandle::mark`] appends to a shared
+//! buffer and never blocks). This task takes them in UPDATEs of up to 10,000 ids. If it falls
+//! too far behind (Postgres slow or down), ids beyond the bound are dropped and counted: those
+//! rows stay unpublished and the recovery poller re-sends them, which asynq's TaskID dedupe
+//! absorbs. Correctness never depends on marking; it only saves work.
+//!
+//! A commit reaches the stream as soon as its WAL is flushed, a moment before the transaction is
+//! visible to new snapshots, so an UPDATE right after can miss a row. Ids an UPDATE did not find
+//! are tried again shortly after, a few times.
 
 use crate::backoff::Backoff;
 use crate::metrics::Metrics;
 use crate::store::Store;
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// Ids per UPDATE at most.
 const MAX_IDS_PER_UPDATE: usize = 10_000;
-/// Batches of ids waiting in the channel at most.
-const QUEUE_BATCHES: usize = 256;
+/// Ids waiting to be marked at most (8 bytes each).
+const MAX_PENDING_IDS: usize = 1_000_000;
+/// Gather ids this long before an UPDATE (fewer, larger statements).
+const GATHER: Duration = Duration::from_millis(50);
+/// Ids an UPDATE did not find are retried after this, this many times.
+const MISS_DELAY: Duration = Duration::from_millis(200);
+const MISS_TRIES: u8 = 3;
+
+struct Shared {
+    ids: Mutex<Vec<i64>>,
+    notify: Notify,
+}
 
 /// The stream's side: cheap to clone, never blocks.
 #[derive(Clone)]
 pub struct MarkerHandle {
-    tx: mpsc::Sender<Vec<i64>>,
+    shared: Arc<Shared>,
     metrics: Arc<Metrics>,
 }
 
 impl MarkerHandle {
-    /// Queues `ids` for marking; drops (and counts) them when the queue is full.
+    /// Queues `ids` for marking; drops (and counts) them when too many are waiting.
     pub fn mark(&self, ids: Vec<i64>) {
         if ids.is_empty() {
             return;
         }
-        let n = ids.len() as u64;
-        if self.tx.try_send(ids).is_err() {
-            self.metrics.mark_dropped.inc_by(n);
+        {
+            let mut pending = self.shared.ids.lock().expect("marker lock");
+            if pending.len() + ids.len() > MAX_PENDING_IDS {
+                self.metrics.mark_dropped.inc_by(ids.len() as u64);
+                return;
+            }
+            pending.extend(ids);
         }
+        self.shared.notify.notify_one();
     }
 }
 
 /// The marking task.
 pub struct Marker {
-    rx: mpsc::Receiver<Vec<i64>>,
+    shared: Arc<Shared>,
     pool: deadpool_postgres::Pool,
     store: Store,
     metrics: Arc<Metrics>,
+    /// Ids an UPDATE missed: (id, tries left), retried at `retry_at`.
+    missed: Vec<(i64, u8)>,
+    retry_at: Option<Instant>,
 }
 
 impl Marker {
@@ -53,76 +78,113 @@ impl Marker {
         store: Store,
         metrics: Arc<Metrics>,
     ) -> (Self, MarkerHandle) {
-        let (tx, rx) = mpsc::channel(QUEUE_BATCHES);
+        let shared = Arc::new(Shared {
+            ids: Mutex::new(Vec::new()),
+            notify: Notify::new(),
+        });
         let handle = MarkerHandle {
-            tx,
+            shared: shared.clone(),
             metrics: metrics.clone(),
         };
-        (
-            Self {
-                rx,
-                pool,
-                store,
-                metrics,
-            },
-            handle,
-        )
+        let marker = Self {
+            shared,
+            pool,
+            store,
+            metrics,
+            missed: Vec::new(),
+            retry_at: None,
+        };
+        (marker, handle)
     }
 
-    /// Marks until every handle is dropped, or `shutdown` (after one last flush of what is
-    /// queued).
+    /// Marks until `shutdown` (then one last flush of what is queued).
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
-        let mut pending: Vec<i64> = Vec::new();
         loop {
-            if pending.is_empty() {
-                tokio::select! {
-                    ids = self.rx.recv() => match ids {
-                        Some(ids) => pending = ids,
-                        None => return,
-                    },
-                    _ = shutdown.cancelled() => {
-                        self.drain(&mut pending);
-                        let _ = self.flush(&pending).await;
-                        return;
-                    }
+            let retry = self.retry_at;
+            tokio::select! {
+                _ = shutdown.cancelled() => {
+                    let ids = self.take(usize::MAX);
+                    let _ = self.flush(&ids, false).await;
+                    return;
+                }
+                _ = self.shared.notify.notified() => {
+                    // Let more ids gather into this UPDATE.
+                    tokio::time::sleep(GATHER).await;
+                }
+                _ = sleep_until_opt(retry) => {
+                    self.retry_at = None;
+                    let again: Vec<i64> = self.missed.iter().map(|(id, _)| *id).collect();
+                    self.shared.ids.lock().expect("marker lock").extend(again);
                 }
             }
-            self.drain(&mut pending);
-            match self.flush(&pending).await {
-                Ok(()) => {
-                    pending.clear();
-                    backoff.reset();
+            loop {
+                let ids = self.take(MAX_IDS_PER_UPDATE);
+                if ids.is_empty() {
+                    break;
                 }
-                Err(e) => {
-                    tracing::warn!(error = %crate::replication::stream::error_chain(&e), rows = pending.len(), "marking rows published failed; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(backoff.next_delay()) => {}
-                        _ = shutdown.cancelled() => return,
+                match self.flush(&ids, true).await {
+                    Ok(()) => backoff.reset(),
+                    Err(e) => {
+                        tracing::warn!(error = %crate::replication::stream::error_chain(&e), rows = ids.len(), "marking rows published failed; retrying");
+                        self.shared.ids.lock().expect("marker lock").extend(ids);
+                        tokio::select! {
+                            _ = tokio::time::sleep(backoff.next_delay()) => {}
+                            _ = shutdown.cancelled() => return,
+                        }
                     }
                 }
             }
         }
     }
 
-    /// Coalesces what is queued into `pending`, up to the per-UPDATE bound.
-    fn drain(&mut self, pending: &mut Vec<i64>) {
-        while pending.len() < MAX_IDS_PER_UPDATE {
-            match self.rx.try_recv() {
-                Ok(ids) => pending.extend(ids),
-                Err(_) => break,
-            }
-        }
+    fn take(&self, max: usize) -> Vec<i64> {
+        let mut pending = self.shared.ids.lock().expect("marker lock");
+        let n = pending.len().min(max);
+        pending.drain(..n).collect()
     }
 
-    async fn flush(&self, ids: &[i64]) -> Result<(), MarkError> {
+    /// One UPDATE; ids it did not find go to the miss list (when `retry_misses`).
+    async fn flush(&mut self, ids: &[i64], retry_misses: bool) -> Result<(), MarkError> {
         if ids.is_empty() {
             return Ok(());
         }
         let client = self.pool.get().await?;
-        let n = self.store.mark_published(&**client, ids).await?;
-        self.metrics.marked.inc_by(n);
+        let marked = self.store.mark_published_returning(&**client, ids).await?;
+        self.metrics.marked.inc_by(marked.len() as u64);
+        if !retry_misses || marked.len() == ids.len() {
+            self.forget_misses(&marked);
+            return Ok(());
+        }
+        let marked: HashSet<i64> = marked.into_iter().collect();
+        let tries: std::collections::HashMap<i64, u8> = self.missed.drain(..).collect();
+        for &id in ids {
+            if marked.contains(&id) {
+                continue;
+            }
+            let left = tries.get(&id).copied().unwrap_or(MISS_TRIES);
+            if left > 0 {
+                self.missed.push((id, left - 1));
+            }
+        }
+        if !self.missed.is_empty() && self.retry_at.is_none() {
+            self.retry_at = Some(Instant::now() + MISS_DELAY);
+        }
         Ok(())
+    }
+
+    fn forget_misses(&mut self, marked: &[i64]) {
+        if !self.missed.is_empty() {
+            let marked: HashSet<&i64> = marked.iter().collect();
+            self.missed.retain(|(id, _)| !marked.contains(id));
+        }
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

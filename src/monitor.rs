@@ -26,7 +26,7 @@ pub struct MonitorSettings {
 pub struct Monitor {
     pub pool: deadpool_postgres::Pool,
     pub store: Store,
-    pub valkey: redis::aio::ConnectionManager,
+    pub valkey: crate::valkey::ValkeyConnection,
     pub settings: MonitorSettings,
     pub metrics: Arc<Metrics>,
 }

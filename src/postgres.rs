@@ -1,12 +1,22 @@
 //! Connections to PostgreSQL: one URL gives both the SQL connections (setup, poller, status)
 //! and the replication connection's parameters. Session settings are pinned so timestamps come
 //! out the same on both paths (`DateStyle=ISO`, `TimeZone=UTC`).
+//!
+//! TLS follows libpq's `sslmode`, `sslrootcert`, `sslcert` and `sslkey` parameters on both
+//! paths (see [`crate::tls`]); tokio-postgres does not know the last three, so they are taken
+//! out of the connection string before it parses the rest.
 
+use crate::tls::{PgTls, SslMode};
 use pgwire_replication::ReplicationConfig;
 use std::str::FromStr;
 use std::time::Duration;
 use tokio_postgres::config::Host;
-use tokio_postgres::NoTls;
+use tokio_postgres::tls::MakeTlsConnect;
+use tokio_postgres::Socket;
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+/// The stream of an SQL connection (TLS or not, as negotiated).
+pub type PgStream = <MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream;
 
 /// Session settings for every connection, SQL and replication alike.
 pub const SESSION_OPTIONS: &str = "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601";
@@ -32,6 +42,8 @@ pub enum PgError {
 #[derive(Clone)]
 pub struct PgTarget {
     config: tokio_postgres::Config,
+    tls: PgTls,
+    connector: MakeRustlsConnect,
 }
 
 impl std::fmt::Debug for PgTarget {
@@ -42,7 +54,8 @@ impl std::fmt::Debug for PgTarget {
 
 impl PgTarget {
     pub fn parse(url: &str) -> Result<Self, PgError> {
-        let mut config = tokio_postgres::Config::from_str(url)
+        let (rest, ssl) = take_ssl_params(url).map_err(PgError::InvalidUrl)?;
+        let mut config = tokio_postgres::Config::from_str(&rest)
             .map_err(|e| PgError::InvalidUrl(e.to_string()))?;
         if config.get_hosts().is_empty() {
             return Err(PgError::InvalidUrl("no host given".into()));
@@ -50,12 +63,47 @@ impl PgTarget {
         if config.get_user().is_none() {
             return Err(PgError::InvalidUrl("no user given".into()));
         }
+        let param = |k: &str| {
+            ssl.iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+        };
+        let mut tls = PgTls::from_params(
+            param("sslmode"),
+            param("sslrootcert"),
+            param("sslcert"),
+            param("sslkey"),
+        )
+        .map_err(PgError::InvalidUrl)?;
+        // PostgreSQL has no TLS on Unix sockets; libpq ignores sslmode there.
+        if config
+            .get_hosts()
+            .iter()
+            .all(|h| !matches!(h, Host::Tcp(_)))
+        {
+            tls.mode = SslMode::Disable;
+        }
         config
+            .ssl_mode(match tls.mode {
+                SslMode::Disable => tokio_postgres::config::SslMode::Disable,
+                SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+                _ => tokio_postgres::config::SslMode::Require,
+            })
             .options(SESSION_OPTIONS)
             .application_name(APPLICATION_NAME)
             .connect_timeout(Duration::from_secs(10))
             .keepalives_idle(Duration::from_secs(30));
-        Ok(Self { config })
+        let connector = MakeRustlsConnect::new(tls.client_config().map_err(PgError::InvalidUrl)?);
+        Ok(Self {
+            config,
+            tls,
+            connector,
+        })
+    }
+
+    /// The TLS settings in effect.
+    pub fn tls(&self) -> &PgTls {
+        &self.tls
     }
 
     /// `user@host:port/db`, no password: safe for logs.
@@ -93,7 +141,7 @@ impl PgTarget {
     pub async fn connect(&self) -> Result<tokio_postgres::Client, PgError> {
         let (client, conn) =
             self.config
-                .connect(NoTls)
+                .connect(self.connector.clone())
                 .await
                 .map_err(|source| PgError::Connect {
                     target: self.display(),
@@ -113,12 +161,12 @@ impl PgTarget {
     ) -> Result<
         (
             tokio_postgres::Client,
-            tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
+            tokio_postgres::Connection<Socket, PgStream>,
         ),
         PgError,
     > {
         self.config
-            .connect(NoTls)
+            .connect(self.connector.clone())
             .await
             .map_err(|source| PgError::Connect {
                 target: self.display(),
@@ -130,7 +178,7 @@ impl PgTarget {
     pub fn pool(&self, size: usize) -> deadpool_postgres::Pool {
         let mgr = deadpool_postgres::Manager::from_config(
             self.config.clone(),
-            NoTls,
+            self.connector.clone(),
             deadpool_postgres::ManagerConfig {
                 recycling_method: deadpool_postgres::RecyclingMethod::Fast,
             },
@@ -166,10 +214,179 @@ impl PgTarget {
                 slot,
                 publication,
             )
-            .with_port(self.port()),
+            .with_port(self.port())
+            .with_tls(self.tls.replication(host)),
             None => unreachable!("parse() refuses URLs without a host"),
         };
         base.with_options(SESSION_OPTIONS)
             .with_application_name(APPLICATION_NAME)
+    }
+}
+
+/// libpq's TLS parameters, which tokio-postgres does not parse (it knows `sslmode` but only up
+/// to `require`).
+const SSL_PARAMS: [&str; 4] = ["sslmode", "sslrootcert", "sslcert", "sslkey"];
+
+/// Splits the TLS parameters off a connection string (URL or `key=value` form): the string
+/// without them, and their (decoded) values.
+fn take_ssl_params(s: &str) -> Result<(String, Vec<(String, String)>), String> {
+    let mut taken = Vec::new();
+    let trimmed = s.trim_start();
+    if trimmed.starts_with("postgres://") || trimmed.starts_with("postgresql://") {
+        let Some((base, query)) = s.split_once('?') else {
+            return Ok((s.to_owned(), taken));
+        };
+        let mut kept = Vec::new();
+        for pair in query.split('&') {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let key = percent_decode(k)?;
+            if SSL_PARAMS.contains(&key.as_str()) {
+                taken.push((key, percent_decode(v)?));
+            } else {
+                kept.push(pair);
+            }
+        }
+        let rest = if kept.is_empty() {
+            base.to_owned()
+        } else {
+            format!("{base}?{}", kept.join("&"))
+        };
+        return Ok((rest, taken));
+    }
+    let mut kept = Vec::new();
+    for (k, v) in key_value_pairs(s)? {
+        if SSL_PARAMS.contains(&k.as_str()) {
+            taken.push((k, v));
+        } else {
+            kept.push(format!(
+                "{k}='{}'",
+                v.replace('\\', "\\\\").replace('\'', "\\'")
+            ));
+        }
+    }
+    Ok((kept.join(" "), taken))
+}
+
+fn percent_decode(s: &str) -> Result<String, String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or("invalid percent-encoding in the query string")?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| "the query string is not UTF-8".to_owned())
+}
+
+/// The pairs of a libpq `key=value` connection string: values unquoted (up to whitespace) or
+/// in single quotes, with backslash escapes in both.
+fn key_value_pairs(s: &str) -> Result<Vec<(String, String)>, String> {
+    let mut pairs = Vec::new();
+    let mut chars = s.chars().peekable();
+    loop {
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        if chars.peek().is_none() {
+            return Ok(pairs);
+        }
+        let mut key = String::new();
+        while let Some(c) = chars.next_if(|c| *c != '=' && !c.is_whitespace()) {
+            key.push(c);
+        }
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        if chars.next() != Some('=') {
+            return Err(format!("expected `=` after `{key}`"));
+        }
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        let mut value = String::new();
+        if chars.next_if_eq(&'\'').is_some() {
+            loop {
+                match chars.next() {
+                    Some('\'') => break,
+                    Some('\\') => value.push(chars.next().ok_or("unterminated value")?),
+                    Some(c) => value.push(c),
+                    None => return Err(format!("unterminated quoted value of `{key}`")),
+                }
+            }
+        } else {
+            while let Some(c) = chars.next_if(|c| !c.is_whitespace()) {
+                if c == '\\' {
+                    value.push(chars.next().ok_or("unterminated value")?);
+                } else {
+                    value.push(c);
+                }
+            }
+        }
+        pairs.push((key, value));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ssl_params_come_off_a_url() {
+        let (rest, ssl) = take_ssl_params(
+            "postgres://u:p%40ss@h:5/db?sslmode=verify-full&application_name=x&sslrootcert=%2Fetc%2Fca.pem",
+        )
+        .unwrap();
+        assert_eq!(rest, "postgres://u:p%40ss@h:5/db?application_name=x");
+        assert_eq!(
+            ssl,
+            [
+                ("sslmode".to_owned(), "verify-full".to_owned()),
+                ("sslrootcert".to_owned(), "/etc/ca.pem".to_owned())
+            ]
+        );
+        let (rest, ssl) = take_ssl_params("postgresql://u@h/db?sslmode=disable").unwrap();
+        assert_eq!(rest, "postgresql://u@h/db");
+        assert_eq!(ssl.len(), 1);
+        let (rest, ssl) = take_ssl_params("postgres://u@h/db").unwrap();
+        assert_eq!((rest.as_str(), ssl.len()), ("postgres://u@h/db", 0));
+    }
+
+    #[test]
+    fn ssl_params_come_off_a_key_value_string() {
+        let (rest, ssl) = take_ssl_params(
+            "host=h user=u password='it\\'s a secret' sslmode = require sslcert='/a b/c.pem' sslkey=/k",
+        )
+        .unwrap();
+        assert_eq!(rest, "host='h' user='u' password='it\\'s a secret'");
+        assert_eq!(ssl[0], ("sslmode".to_owned(), "require".to_owned()));
+        assert_eq!(ssl[1], ("sslcert".to_owned(), "/a b/c.pem".to_owned()));
+        let config = tokio_postgres::Config::from_str(&rest).unwrap();
+        assert_eq!(config.get_password(), Some(&b"it's a secret"[..]));
+        assert!(take_ssl_params("host=h password='open").is_err());
+    }
+
+    #[test]
+    fn targets() {
+        let t = PgTarget::parse("postgres://u:secret@127.0.0.1:5/db?sslmode=require").unwrap();
+        assert_eq!(t.tls().mode, SslMode::Require);
+        assert_eq!(t.display(), "u@127.0.0.1:5/db");
+        assert!(!format!("{t:?}").contains("secret"));
+        assert_eq!(
+            t.replication("s", "p").tls.mode,
+            pgwire_replication::SslMode::Require
+        );
+        let t = PgTarget::parse("postgres://u@127.0.0.1/db").unwrap();
+        assert_eq!(t.tls().mode, SslMode::Prefer);
+        let t = PgTarget::parse("host=/run/postgresql user=u sslmode=verify-full").unwrap();
+        assert_eq!(t.tls().mode, SslMode::Disable, "no TLS on a Unix socket");
+        let err = PgTarget::parse("postgres://u@h/db?sslmode=verify-full&sslrootcert=/nope.pem")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sslrootcert /nope.pem"), "{err}");
+        assert!(PgTarget::parse("postgres://u@h/db?sslmode=allow").is_err());
     }
 }

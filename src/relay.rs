@@ -42,7 +42,7 @@ pub enum RelayError {
 /// slot when missing.
 pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink), RelayError> {
     let pg = args.db.target()?;
-    let valkey_client = args.valkey.client()?;
+    let valkey_target = args.valkey.target()?;
     let client = pg.connect().await?;
     setup::check_table(&client, &args.db.table).await?;
     if args.mode == Mode::Poll || args.recovery {
@@ -56,7 +56,7 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink), RelayErro
         let slot = setup::ensure_slot(&client, &args.slot).await?;
         tracing::info!(slot = %args.slot, confirmed_flush = %slot.confirmed_flush, wal_status = ?slot.wal_status, "slot ready");
     }
-    let sink = ValkeySink::connect(valkey_client, args.valkey.valkey_timeout)
+    let sink = ValkeySink::connect(valkey_target)
         .await
         .map_err(|source| RelayError::Valkey {
             target: args.valkey.display(),
@@ -66,22 +66,33 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink), RelayErro
     Ok((pg, sink))
 }
 
-/// With eviction enabled, Valkey may silently drop tasks under memory pressure.
+/// With eviction enabled, Valkey may silently drop tasks under memory pressure. On a cluster
+/// every primary is asked.
 async fn warn_on_eviction(sink: &ValkeySink) {
     let mut conn = sink.connection();
-    let policy: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("maxmemory-policy")
-        .query_async(&mut conn)
-        .await;
-    match policy {
-        Ok(kv) if kv.get(1).is_some_and(|p| p != "noeviction") => tracing::warn!(
-            policy = %kv[1],
-            "valkey maxmemory-policy is not noeviction: under memory pressure tasks can be evicted \
-             silently; set `maxmemory-policy noeviction`"
-        ),
-        Ok(_) => {}
-        Err(e) => tracing::debug!(error = %e, "could not read maxmemory-policy"),
+    let mut cmd = redis::cmd("CONFIG");
+    cmd.arg("GET").arg("maxmemory-policy");
+    let replies = match conn.on_each_primary::<Vec<String>>(&cmd).await {
+        Ok(replies) => replies,
+        Err(e) => {
+            tracing::debug!(error = %e, "could not read maxmemory-policy");
+            return;
+        }
+    };
+    for (node, policy) in replies {
+        let node = node.unwrap_or_default();
+        match policy {
+            Ok(kv) if kv.get(1).is_some_and(|p| p != "noeviction") => tracing::warn!(
+                policy = %kv[1],
+                node = %node,
+                "valkey maxmemory-policy is not noeviction: under memory pressure tasks can be \
+                 evicted silently; set `maxmemory-policy noeviction`"
+            ),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, node = %node, "could not read maxmemory-policy")
+            }
+        }
     }
 }
 

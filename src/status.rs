@@ -45,7 +45,7 @@ pub struct QueueStatus {
 /// Reads everything; Valkey being unreachable is reported, not an error.
 pub async fn collect(
     client: &tokio_postgres::Client,
-    valkey: Option<redis::aio::ConnectionManager>,
+    valkey: Option<crate::valkey::ValkeyConnection>,
     table: &TableName,
     publication: &str,
     slot: &str,
@@ -122,8 +122,10 @@ async fn publication_status(
     })
 }
 
+/// The queues of `asynq:queues` and their pending lengths (on a cluster each `LLEN` goes to the
+/// shard of its queue).
 async fn queue_status(
-    conn: &mut redis::aio::ConnectionManager,
+    conn: &mut crate::valkey::ValkeyConnection,
 ) -> redis::RedisResult<Vec<QueueStatus>> {
     let mut queues: Vec<String> = redis::cmd("SMEMBERS")
         .arg(QUEUES_KEY)

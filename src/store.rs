@@ -84,17 +84,22 @@ pub struct Store {
 impl Store {
     pub fn new(table: TableName) -> Self {
         let t = table.sql();
-        let select = format!(
-            "SELECT id, event_id::text, event_name, payload::text, metadata::text, created_at::text, attempts \
-             FROM {t} WHERE published_at IS NULL AND dead_at IS NULL \
-             AND (next_attempt_at IS NULL OR next_attempt_at <= now())"
-        );
+        // Lock the ids first, then read (and cast to text) only those rows: a plan that reads
+        // and casts every unpublished row before the LIMIT is far slower on a big backlog
+        // whose statistics are stale.
+        let claim = |extra: &str| {
+            format!(
+                "WITH c AS (SELECT id FROM {t} WHERE published_at IS NULL AND dead_at IS NULL \
+                   AND (next_attempt_at IS NULL OR next_attempt_at <= now()){extra} \
+                   ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
+                 SELECT o.id, o.event_id::text, o.event_name, o.payload::text, o.metadata::text, \
+                        o.created_at::text, o.attempts \
+                 FROM {t} o JOIN c ON o.id = c.id ORDER BY o.id"
+            )
+        };
         Self {
-            claim: format!("{select} ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"),
-            claim_recovery: format!(
-                "{select} AND created_at < now() - make_interval(secs => $2) \
-                 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
-            ),
+            claim: claim(""),
+            claim_recovery: claim(" AND created_at < now() - make_interval(secs => $2)"),
             table,
         }
     }
@@ -137,6 +142,25 @@ impl Store {
             self.table.sql()
         );
         client.execute(&sql, &[&ids]).await
+    }
+
+    /// Marks rows published; returns the ids it marked (rows already marked, or not yet
+    /// visible, are not among them).
+    pub async fn mark_published_returning(
+        &self,
+        client: &impl GenericClient,
+        ids: &[i64],
+    ) -> Result<Vec<i64>, tokio_postgres::Error> {
+        let sql = format!(
+            "UPDATE {} SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL RETURNING id",
+            self.table.sql()
+        );
+        Ok(client
+            .query(&sql, &[&ids])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect())
     }
 
     /// Records a failed attempt: the next one waits `backoff * 2^(attempts-1)` (at most an

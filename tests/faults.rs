@@ -194,18 +194,20 @@ async fn walsender_terminated_under_load() {
 
 /// A relay frozen mid-stream (its connection open but silent, as after a network cut) leaves a
 /// zombie walsender holding the slot for up to wal_sender_timeout (60 s here). A new relay
-/// recognises the silent holder and takes the slot back.
+/// recognises the silent holder and takes the slot back. Both relays run as the
+/// least-privilege role: terminating the zombie needs no more than being the same role.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zombie_walsender_gives_the_slot_back() {
     let pg = OwnPg::start(&["-c", "wal_sender_timeout=60s"]);
     let db = TestDb::on(&pg.url, "f_zombie", true).await;
+    let relay_role = db.least_privilege_role().await;
     let redis = Redis::start();
-    let mut frozen = RelayProcess::spawn_streaming(&db, &redis.url, &QUICK_RECOVERY).await;
+    let mut frozen = RelayProcess::spawn_streaming(&relay_role, &redis.url, &QUICK_RECOVERY).await;
     let load = Load::start(&db.url, LoadSpec::default());
     tokio::time::sleep(Duration::from_secs(1)).await;
     frozen.signal("STOP");
     let taker = RelayProcess::spawn(
-        &db,
+        &relay_role,
         &redis.url,
         &[&QUICK_RECOVERY[..], &["--takeover-after", "3s"]].concat(),
     );

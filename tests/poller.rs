@@ -279,11 +279,15 @@ fn relay_cmd(args: &[&str], db: &TestDb) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// Runs the relay and the dead-letter commands as the least-privilege role of
+/// docs/least-privilege.sql: claiming, recording attempts, dead letters and retries need no
+/// more than its grants.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_row_becomes_a_dead_letter_and_can_be_retried() {
-    let db = TestDb::new("poison").await;
+    let owner = TestDb::new("poison").await;
+    let db = owner.least_privilege_role().await;
     let redis = Redis::start();
-    let c = db.client().await;
+    let c = owner.client().await;
     c.batch_execute(&format!(
         "INSERT INTO outbox_events (event_id, event_name, payload) VALUES
             ('00000000-0000-4000-8000-000000000001', 'ok', '{{}}'),
@@ -420,7 +424,8 @@ async fn notify_wakes_poll_mode_before_its_interval() {
 async fn a_lost_slot_can_stop_the_relay_instead() {
     let db = TestDb::new("slotstop").await;
     let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(&db, &redis.url, &["--on-slot-lost", "stop"])).await;
+    let relay =
+        Relay::start_streaming(run_args(&db, &redis.url, &["--on-slot-lost", "stop"])).await;
     let admin = db.client().await;
     eventually("the slot is dropped", || async {
         let _ = admin
@@ -433,6 +438,13 @@ async fn a_lost_slot_can_stop_the_relay_instead() {
     })
     .await;
     let err = relay.join().await.unwrap_err();
-    assert!(err.to_string().contains("OUTBOX_ON_SLOT_LOST=stop"), "{err}");
-    assert_eq!(db.confirmed_flush().await, None, "the slot was not recreated");
+    assert!(
+        err.to_string().contains("OUTBOX_ON_SLOT_LOST=stop"),
+        "{err}"
+    );
+    assert_eq!(
+        db.confirmed_flush().await,
+        None,
+        "the slot was not recreated"
+    );
 }

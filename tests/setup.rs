@@ -60,7 +60,10 @@ fn bad_configuration_is_refused_naming_the_setting() {
         (&[("OUTBOX_MODE", "turbo")], "OUTBOX_MODE"),
         (&[("OUTBOX_ON_SLOT_LOST", "ignore")], "OUTBOX_ON_SLOT_LOST"),
         (&[("OUTBOX_POLL_INTERVAL", "0")], "OUTBOX_POLL_INTERVAL"),
-        (&[("OUTBOX_METRICS_ADDR", "localhost")], "OUTBOX_METRICS_ADDR"),
+        (
+            &[("OUTBOX_METRICS_ADDR", "localhost")],
+            "OUTBOX_METRICS_ADDR",
+        ),
     ];
     for (env, setting) in cases {
         let mut all: Vec<(&str, &str)> = db.to_vec();

@@ -7,13 +7,15 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 /// 10,000 events in transactions of 1, 10 and 1,000 rows become exactly 10,000 asynq tasks in
-/// the Go kit's format, in commit order.
+/// the Go kit's format, in commit order. The relay runs as the least-privilege role of
+/// docs/least-privilege.sql.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_events_become_exactly_their_tasks() {
     let db = TestDb::new("ten_k").await;
+    let relay_role = db.least_privilege_role().await;
     let redis = Redis::start();
     let relay = Relay::start_streaming(run_args(
-        &db,
+        &relay_role,
         &redis.url,
         &[
             "--task-max-retry",

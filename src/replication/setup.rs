@@ -152,10 +152,15 @@ pub async fn ensure_publication(
                      but cost decoding; `ALTER PUBLICATION ... SET (publish = 'insert')` avoids that"
                 );
             }
+            // Matched by name, not by casting each row to regclass: the planner may evaluate
+            // such a cast on every relation of pg_class, including those of pg_toast, where a
+            // role without superuser has no USAGE ("permission denied for schema pg_toast").
             let covered = client
                 .query_one(
-                    "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 \
-                     AND format('%I.%I', schemaname, tablename)::regclass = to_regclass($2))",
+                    "SELECT EXISTS (SELECT 1 FROM pg_publication_tables t \
+                     JOIN pg_namespace n ON n.nspname = t.schemaname \
+                     JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = t.tablename \
+                     WHERE t.pubname = $1 AND c.oid = to_regclass($2))",
                     &[&publication, &table.sql()],
                 )
                 .await?;

@@ -2,8 +2,8 @@
 //!
 //! One task runs one `select! { biased; ... }` loop per connection (a session), in priority
 //! order: shutdown; write confirmations and failures; the next replication event (only while
-//! the open batch has room); dispatch of the open batch (only when nothing is ready to read,
-//! or the batch is full).
+//! the open batch has room); dispatch of the open batch (when it is full, or when nothing is
+//! ready to read and no write is under way, so rows gather while a write travels).
 //!
 //! Rows are streamed into batches as they arrive, so a huge transaction
 //! never sits in memory; its commit is acknowledged once its last batch is confirmed.
@@ -74,7 +74,10 @@ impl StreamError {
     /// Worth reconnecting for; the rest stops the relay with the error.
     pub fn is_retryable(&self) -> bool {
         match self {
-            StreamError::Replication(PgWireError::Auth(_) | PgWireError::Tls(_)) => false,
+            // A handshake the network cut short (the server restarting) is worth another try;
+            // a certificate or protocol refusal is not.
+            StreamError::Replication(PgWireError::Tls(msg)) => tls_io_failure(msg),
+            StreamError::Replication(PgWireError::Auth(_)) => false,
             StreamError::Replication(_) | StreamError::Decode(_) | StreamError::Postgres(_) => true,
             StreamError::Setup(SetupError::Query(_)) => true,
             StreamError::Setup(_) | StreamError::SlotLost { .. } => false,
@@ -85,6 +88,13 @@ impl StreamError {
     pub fn slot_in_use(&self) -> bool {
         matches!(self, StreamError::Replication(PgWireError::Server(msg)) if msg.contains("SQLSTATE 55006"))
     }
+}
+
+/// pgwire-replication reports every TLS failure as text; those of the connection itself carry
+/// the I/O error's text ("Connection reset by peer (os error 104)", "unexpected end of file").
+fn tls_io_failure(msg: &str) -> bool {
+    msg.starts_with("TLS handshake failed:")
+        && (msg.contains("(os error") || msg.contains("end of file") || msg.contains("eof"))
 }
 
 /// The replication stream of one relay.
@@ -331,7 +341,10 @@ impl<'a, S: Sink> Session<'a, S> {
                     Ok(None) => return Ok(SessionEnd::ServerClosed),
                     Err(e) => return Err(StreamError::Replication(e)),
                 },
-                _ = std::future::ready(()), if !self.open.is_empty() && self.writer.can_send() => {
+                // Nothing to read right now: send what is open, unless a write is already under
+                // way. Rows then gather while it travels (group commit), so a steady stream
+                // makes few, full writes instead of many tiny ones; a full batch goes at once.
+                _ = std::future::ready(()), if !self.open.is_empty() && !self.writer.busy() => {
                     self.dispatch();
                 }
             }
@@ -551,4 +564,23 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_failures_of_the_network_are_retried_and_refusals_are_not() {
+        let tls = |m: &str| StreamError::Replication(PgWireError::Tls(m.into()));
+        assert!(
+            tls("TLS handshake failed: Connection reset by peer (os error 104)").is_retryable()
+        );
+        assert!(tls("TLS handshake failed: unexpected end of file").is_retryable());
+        assert!(
+            !tls("TLS handshake failed: invalid peer certificate: UnknownIssuer").is_retryable()
+        );
+        assert!(!tls("server does not support TLS (SSLRequest rejected)").is_retryable());
+        assert!(!tls("TLS config error: failed to open CA PEM '/x': No such file").is_retryable());
+    }
 }

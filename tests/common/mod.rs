@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod checker;
+pub mod topologies;
 
 use clap::Parser;
 use outbox_relay::config::{Cli, Command, RunArgs};
@@ -41,8 +42,14 @@ pub fn tmp_dir(prefix: &str) -> PathBuf {
 }
 
 fn script(name: &str, args: &[&str]) -> String {
+    script_env(name, args, &[])
+}
+
+/// [`script`] with extra environment variables (e.g. `REDISCLI_AUTH`).
+fn script_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> String {
     let out = std::process::Command::new(scripts().join(name))
         .args(args)
+        .envs(env.iter().copied())
         .stderr(Stdio::inherit())
         .output()
         .unwrap_or_else(|e| panic!("cannot run {name}: {e}"));
@@ -60,18 +67,66 @@ pub fn shared_pg_url() -> String {
 pub struct Redis {
     dir: PathBuf,
     pub url: String,
+    /// The default user's password (`--requirepass`), if any; `url` carries it.
+    password: Option<String>,
+    /// More redis-server options, given again on a restart.
+    extra: Vec<String>,
 }
 
 impl Redis {
     pub fn start() -> Self {
+        Self::start_with(&[], None)
+    }
+
+    /// A server with more redis-server options (`--tls-port ...`), and with `password` as the
+    /// default user's password (`--requirepass`); `url` then carries the password.
+    pub fn start_with(extra: &[&str], password: Option<&str>) -> Self {
         let dir = tmp_dir("redis");
-        let url = script("redis-start.sh", &[dir.to_str().unwrap()]);
-        Self { dir, url }
+        let mut extra: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
+        if let Some(p) = password {
+            extra.extend(["--requirepass".to_owned(), p.to_owned()]);
+        }
+        let mut redis = Self {
+            dir,
+            url: String::new(),
+            password: password.map(str::to_owned),
+            extra,
+        };
+        let plain = redis.run_script("redis-start.sh", false);
+        redis.url = match password {
+            Some(p) => plain.replace("redis://", &format!("redis://:{p}@")),
+            None => plain,
+        };
+        redis
+    }
+
+    /// The server's directory (its log is redis.log there).
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+
+    fn run_script(&self, name: &str, keep: bool) -> String {
+        let dir = self.dir.to_str().unwrap();
+        let mut args = vec![dir];
+        if keep {
+            args.push("--keep");
+        }
+        if name == "redis-start.sh" && !self.extra.is_empty() {
+            args.push("--");
+            args.extend(self.extra.iter().map(String::as_str));
+        }
+        let auth: Vec<(&str, &str)> = self
+            .password
+            .as_deref()
+            .map(|p| ("REDISCLI_AUTH", p))
+            .into_iter()
+            .collect();
+        script_env(name, &args, &auth)
     }
 
     /// Stops the server (its data is gone: Redis runs without persistence here).
     pub fn stop(&self) {
-        script("redis-stop.sh", &[self.dir.to_str().unwrap(), "--keep"]);
+        self.run_script("redis-stop.sh", true);
     }
 
     /// Stops the server after writing its data to disk, so a restart keeps the tasks (a
@@ -80,6 +135,7 @@ impl Redis {
         let port = std::fs::read_to_string(self.dir.join("port")).unwrap();
         let status = std::process::Command::new("redis-cli")
             .args(["-p", port.trim(), "shutdown", "save"])
+            .envs(self.password.as_deref().map(|p| ("REDISCLI_AUTH", p)))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
@@ -89,9 +145,9 @@ impl Redis {
         self.stop();
     }
 
-    /// Starts it again on the same port.
+    /// Starts it again on the same port (with the same options).
     pub fn restart(&self) {
-        script("redis-start.sh", &[self.dir.to_str().unwrap()]);
+        self.run_script("redis-start.sh", false);
     }
 
     pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
@@ -110,6 +166,7 @@ impl Drop for Redis {
     fn drop(&mut self) {
         let _ = std::process::Command::new(scripts().join("redis-stop.sh"))
             .arg(&self.dir)
+            .envs(self.password.as_deref().map(|p| ("REDISCLI_AUTH", p)))
             .stderr(Stdio::null())
             .status();
     }
@@ -140,6 +197,27 @@ impl OwnPg {
     pub fn restart(&self) {
         script("pg-start.sh", &[self.dir.to_str().unwrap()]);
     }
+
+    /// The cluster's data directory.
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    /// Replaces pg_hba.conf with `lines` and reloads the configuration. The superuser
+    /// `postgres` should keep a line that lets the harness in over TCP without a password.
+    pub async fn set_hba(&self, lines: &str) {
+        let path = self.data_dir().join("pg_hba.conf");
+        std::fs::write(&path, lines).unwrap_or_else(|e| panic!("write {path:?}: {e}"));
+        let ok: bool = connect(&self.url)
+            .await
+            .query_one("SELECT pg_reload_conf()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert!(ok, "pg_reload_conf");
+        // The postmaster re-reads the file when it handles the signal, not before the call returns.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
 }
 
 impl Drop for OwnPg {
@@ -151,6 +229,9 @@ impl Drop for OwnPg {
             .status();
     }
 }
+
+/// The password of [`TestDb::least_privilege_role`]'s roles.
+pub const LEAST_PRIVILEGE_PASSWORD: &str = "lp-relay-pw";
 
 /// A database of its own on a cluster, migrated, with a slot name unique in the cluster.
 pub struct TestDb {
@@ -231,6 +312,30 @@ impl TestDb {
             row.get::<_, bool>(0).then_some(())
         })
         .await
+    }
+
+    /// A role made with exactly docs/least-privilege.sql (role, password and database names
+    /// replaced), and this database as that role: the relay runs as it, while the test keeps
+    /// using `self` (the owner) to insert rows and look.
+    pub async fn least_privilege_role(&self) -> TestDb {
+        let role = format!("lp_{}", self.name);
+        let sql = std::fs::read_to_string(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/least-privilege.sql"),
+        )
+        .unwrap();
+        assert!(sql.contains("CREATE ROLE outbox_relay LOGIN REPLICATION PASSWORD 'change-me'"));
+        let sql = sql
+            .replace("outbox_relay", &role)
+            .replace("'change-me'", &format!("'{LEAST_PRIVILEGE_PASSWORD}'"))
+            .replace("DATABASE shop", &format!("DATABASE {}", self.name));
+        self.client().await.batch_execute(&sql).await.unwrap();
+        let (scheme, rest) = self.url.split_once("://").unwrap();
+        let (_, host_and_db) = rest.split_once('@').unwrap();
+        TestDb {
+            url: format!("{scheme}://{role}:{LEAST_PRIVILEGE_PASSWORD}@{host_and_db}"),
+            name: self.name.clone(),
+            slot: self.slot.clone(),
+        }
     }
 
     /// The current WAL position as a number.
@@ -429,7 +534,10 @@ pub async fn insert_events(
 }
 
 /// The ids of a queue's pending list, oldest first (asynq LPUSHes and pops from the right).
-pub async fn pending_ids(conn: &mut redis::aio::MultiplexedConnection, queue: &str) -> Vec<String> {
+pub async fn pending_ids(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+    queue: &str,
+) -> Vec<String> {
     const PAGE: isize = 50_000;
     let key = format!("asynq:{{{queue}}}:pending");
     let mut ids: Vec<String> = Vec::new();
@@ -455,7 +563,7 @@ pub async fn pending_ids(conn: &mut redis::aio::MultiplexedConnection, queue: &s
 
 /// The task hash of `id`, decoded: (message, state, pending_since).
 pub async fn task(
-    conn: &mut redis::aio::MultiplexedConnection,
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
     queue: &str,
     id: &str,
 ) -> Option<(TaskMessage, String, String)> {

@@ -1,0 +1,33 @@
+-- A least-privilege PostgreSQL role for outbox-relay (see docs/configuration.md, "The
+-- PostgreSQL role").
+--
+-- First run `outbox-relay migrate` as the owner of the outbox table: it adds the
+-- delivery-state columns and creates the publication, and creating a publication needs
+-- ownership of the table. The relay's role then owns nothing and creates nothing but its
+-- replication slot (the REPLICATION attribute allows that).
+--
+-- Run this as a superuser (creating a role with REPLICATION needs one; on PostgreSQL 16 and
+-- later, a role with CREATEROLE and REPLICATION will do) after replacing the role name, its
+-- password, the database (`shop`) and, for a table outside `public` or another OUTBOX_TABLE,
+-- the schema and table. The integration tests run this file as it is, with only the role, the
+-- password and the database replaced, and run the relay as that role
+-- (tests/common/mod.rs, TestDb::least_privilege_role).
+
+-- LOGIN to connect; REPLICATION for the logical replication connection and for
+-- pg_create_logical_replication_slot (the slot is created when missing).
+CREATE ROLE outbox_relay LOGIN REPLICATION PASSWORD 'change-me';
+
+-- PUBLIC has both by default; granted here so that revoking them from PUBLIC is safe.
+GRANT CONNECT ON DATABASE shop TO outbox_relay;
+GRANT USAGE ON SCHEMA public TO outbox_relay;
+
+-- SELECT: the start-up checks, the recovery poller, `status`, `dead-letters list`.
+-- UPDATE of these columns only: claiming rows (SELECT ... FOR UPDATE SKIP LOCKED needs UPDATE
+-- on at least one column), marking them published, recording failed attempts and dead letters,
+-- and `dead-letters retry`.
+GRANT SELECT, UPDATE (published_at, attempts, last_error, next_attempt_at, dead_at)
+    ON public.outbox_events TO outbox_relay;
+
+-- Only if the relay deletes old published rows (OUTBOX_CLEANUP_OLDER_THAN, or the `cleanup`
+-- command run as this role):
+-- GRANT DELETE ON public.outbox_events TO outbox_relay;

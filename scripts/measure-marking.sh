@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# scripts/measure-marking.sh — what marking streamed rows as published costs.
+#
+# Usage: scripts/measure-marking.sh [EVENTS]   (default 100000; OUTBOX_RELAY_BIN skips the build)
+#
+# The stream marks the rows it delivered (`UPDATE ... SET published_at = now() WHERE id =
+# ANY(...)`, coalesced, off its hot path) so the recovery poller does not redo them. This
+# drains the same backlog twice with a release build, with OUTBOX_MARK_PUBLISHED=true and
+# =false, on a throwaway Postgres and Redis, and prints per event: the WAL the inserts wrote,
+# the WAL written while the relay drained (the marking's UPDATEs and their index and heap
+# changes), the rows updated, the UPDATE statements, and the drain time.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+EVENTS=${1:-100000}
+WORK=$(mktemp -d /tmp/outbox-relay-marking.XXXXXX)
+chmod 755 "$WORK"
+cleanup() {
+    [[ -n ${RELAY_PID:-} ]] && kill "$RELAY_PID" 2>/dev/null || true
+    "$ROOT/scripts/redis-stop.sh" "$WORK/redis" >/dev/null 2>&1 || true
+    "$ROOT/scripts/pg-stop.sh" "$WORK/pg" >/dev/null 2>&1 || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+BIN=${OUTBOX_RELAY_BIN:-}
+if [[ -z $BIN ]]; then
+    (cd "$ROOT" && cargo build --release --locked -q)
+    BIN=$ROOT/target/release/outbox-relay
+fi
+PG=$("$ROOT/scripts/pg-start.sh" "$WORK/pg" -- -c track_io_timing=off 2>/dev/null)
+REDIS=$("$ROOT/scripts/redis-start.sh" "$WORK/redis" 2>/dev/null)
+q() { psql "$1" -qAtX -v ON_ERROR_STOP=1 -c "$2"; }
+
+printf '| marking | insert WAL B/event | drain WAL B/event | rows updated | UPDATE statements | drain s |\n'
+printf '|---|---:|---:|---:|---:|---:|\n'
+for mark in true false; do
+    db="mark_$mark"
+    q "$PG" "CREATE DATABASE $db"
+    url="${PG%/*}/$db"
+    OUTBOX_DATABASE_URL=$url "$BIN" migrate >/dev/null 2>&1
+    q "$url" "SELECT pg_create_logical_replication_slot('slot_$mark', 'pgoutput')" >/dev/null
+    redis-cli -u "$REDIS" flushall >/dev/null
+    w0=$(q "$url" "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
+    txns=$((EVENTS / 100))
+    q "$url" "DO \$\$ BEGIN FOR i IN 1..$txns LOOP
+        INSERT INTO outbox_events (event_id, event_name, payload, metadata)
+        SELECT gen_random_uuid(), 'order.placed', jsonb_build_object('order_id', g, 'total', 42.5, 'note', repeat('x', 120)),
+               '{\"traceparent\": \"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\"}'
+        FROM generate_series(1, 100) g;
+        COMMIT; END LOOP; END \$\$"
+    q "$url" "CHECKPOINT"
+    w1=$(q "$url" "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
+    upd0=$(q "$url" "SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = 'outbox_events'")
+    calls0=$(q "$url" "SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database WHERE datname = '$db'")
+    start=$(date +%s.%N)
+    OUTBOX_DATABASE_URL=$url OUTBOX_VALKEY_URL=$REDIS OUTBOX_SLOT=slot_$mark OUTBOX_RECOVERY=false OUTBOX_MARK_PUBLISHED=$mark \
+        OUTBOX_METRICS_ADDR=127.0.0.1:0 "$BIN" run >"$WORK/relay-$mark.log" 2>&1 &
+    RELAY_PID=$!
+    deadline=$((SECONDS + 600))
+    until [[ $(redis-cli -u "$REDIS" llen "asynq:{default}:pending") -ge $EVENTS ]]; do
+        ((SECONDS < deadline)) || { tail -5 "$WORK/relay-$mark.log" >&2; exit 1; }
+        kill -0 "$RELAY_PID" 2>/dev/null || { tail -5 "$WORK/relay-$mark.log" >&2; exit 1; }
+        sleep 0.05
+    done
+    if [[ $mark == true ]]; then
+        until [[ $(q "$url" "SELECT count(*) FROM outbox_events WHERE published_at IS NULL") -eq 0 ]]; do sleep 0.05; done
+    fi
+    end=$(date +%s.%N)
+    kill -TERM "$RELAY_PID"; wait "$RELAY_PID" || true; RELAY_PID=
+    sleep 0.7 # let the statistics collector catch up
+    w2=$(q "$url" "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
+    upd1=$(q "$url" "SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = 'outbox_events'")
+    calls1=$(q "$url" "SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database WHERE datname = '$db'")
+    python3 - "$mark" "$EVENTS" "$w0" "$w1" "$w2" "$upd0" "$upd1" "$calls0" "$calls1" "$start" "$end" <<'PY'
+import sys
+mark, n, w0, w1, w2, u0, u1, c0, c1, t0, t1 = sys.argv[1:]
+n = int(n)
+print(f"| {mark} | {(int(w1)-int(w0))/n:.0f} | {(int(w2)-int(w1))/n:.1f} | {int(u1)-int(u0)} | "
+      f"~{int(c1)-int(c0)} transactions | {float(t1)-float(t0):.2f} |")
+PY
+done
+echo
+echo "EVENTS=$EVENTS; 'UPDATE statements' counts the database's committed transactions during the drain (each marking UPDATE is one; the relay's monitor adds a few reads)."

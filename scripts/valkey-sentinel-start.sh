@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# scripts/valkey-sentinel-start.sh — start a throwaway Sentinel-managed Valkey/Redis for tests.
+#
+# Usage:
+#   scripts/valkey-sentinel-start.sh DIR [NAME]
+#
+#   DIR   directory for the servers (created if missing): DIR/primary,
+#         DIR/replica and DIR/sentinel1..3, each started by redis-start.sh
+#         (redis.pid, redis.log, `port`, `url`; a sentinel's config is its
+#         redis.conf).
+#   NAME  the name the sentinels know the primary by; default mymaster.
+#
+# Starts a primary and one replica (`--replicaof`) on free loopback ports, no
+# persistence, then three sentinels (`redis-server --sentinel`) that monitor
+# the primary with quorum 2, down-after-milliseconds 1000 and
+# failover-timeout 5000. Waits up to ~30 s until the replica is in sync and
+# every sentinel knows the replica and the two other sentinels. Prints the
+# comma-separated URLs of the three sentinels as the only stdout line (also
+# written to DIR/url); everything else goes to stderr. Stop it with
+# scripts/valkey-sentinel-stop.sh DIR.
+set -euo pipefail
+
+SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/lib.sh
+. "$SCRIPTS/lib.sh"
+
+usage() {
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}" >&2
+    exit 2
+}
+
+[[ $# -ge 1 && $# -le 2 ]] || usage
+[[ $1 != -h && $1 != --help ]] || usage
+DIR=$(abs_path "$1")
+NAME=${2:-mymaster}
+[[ $NAME =~ ^[A-Za-z0-9._-]+$ ]] || die "bad NAME '$NAME'"
+SENTINELS=3
+
+command -v redis-cli >/dev/null 2>&1 || die "redis-cli not found (apt-get install redis-tools)"
+[[ ! -e $DIR/url ]] || die "$DIR already holds a sentinel setup; stop it first (valkey-sentinel-stop.sh $DIR)"
+mkdir -p "$DIR"
+
+cli() {
+    local port=$1
+    shift
+    redis-cli -h 127.0.0.1 -p "$port" "$@"
+}
+
+url=$("$SCRIPTS/redis-start.sh" "$DIR/primary")
+PRIMARY=${url##*:}
+"$SCRIPTS/redis-start.sh" "$DIR/replica" -- --replicaof 127.0.0.1 "$PRIMARY" >/dev/null
+
+PORTS=()
+URLS=()
+for n in $(seq 1 "$SENTINELS"); do
+    dir=$DIR/sentinel$n
+    mkdir -p "$dir"
+    # Sentinel rewrites this file (its state); redis-start.sh passes it first.
+    cat >"$dir/redis.conf" <<EOF
+sentinel monitor $NAME 127.0.0.1 $PRIMARY 2
+sentinel down-after-milliseconds $NAME 1000
+sentinel failover-timeout $NAME 5000
+sentinel parallel-syncs $NAME 1
+EOF
+    url=$("$SCRIPTS/redis-start.sh" "$dir" -- --sentinel)
+    PORTS+=("${url##*:}")
+    URLS+=("$url")
+done
+
+# The value after KEY in the key/value lines of `SENTINEL MASTER`.
+field() {
+    awk -v k="$1" 'prev == k { print; exit } { prev = $0 }'
+}
+
+ready() {
+    local repl port master
+    repl=$(cli "$(cat "$DIR/replica/port")" info replication 2>/dev/null) || return 1
+    grep -q '^master_link_status:up' <<<"$repl" || return 1
+    for port in "${PORTS[@]}"; do
+        master=$(cli "$port" sentinel master "$NAME" 2>/dev/null) || return 1
+        [[ $(field num-slaves <<<"$master") == 1 ]] || return 1
+        [[ $(field num-other-sentinels <<<"$master") == $((SENTINELS - 1)) ]] || return 1
+        [[ $(field flags <<<"$master") == master ]] || return 1
+    done
+}
+
+ok=0
+for _ in $(seq 1 300); do # ~30 s
+    if ready; then
+        ok=1
+        break
+    fi
+    sleep 0.1
+done
+if ((!ok)); then
+    for port in "${PORTS[@]}"; do
+        cli "$port" sentinel master "$NAME" >&2 || true
+    done
+    die "the sentinels did not become ready within 30 s"
+fi
+
+LIST=$(
+    IFS=,
+    echo "${URLS[*]}"
+)
+echo "$NAME" >"$DIR/name"
+echo "$LIST" >"$DIR/url"
+log "primary 127.0.0.1:$PRIMARY, replica 127.0.0.1:$(cat "$DIR/replica/port"), sentinels $LIST"
+echo "$LIST"

@@ -1,0 +1,93 @@
+//! The relay through Sentinel (a primary, a replica and three sentinels started by
+//! scripts/valkey-sentinel-start.sh): it writes to the primary the sentinels name, and follows
+//! a failover under load.
+
+mod common;
+
+use common::topologies::{assert_each_delivered_once, Producer, ValkeySentinel};
+use common::*;
+use std::collections::HashMap;
+
+/// Under continuous load the primary is SIGKILLed; the sentinels (quorum 2, down after 1 s)
+/// promote the replica, and the relay, whose writes fail meanwhile, asks the sentinels again
+/// and carries on with the new primary. No committed event is missing, none is enqueued twice.
+///
+/// The relay acknowledges an event only after Valkey answered its write, but Valkey
+/// replicates asynchronously: a primary killed at a random moment may take writes it already
+/// answered with it, which is Valkey's durability, not the relay's. To test the relay's part
+/// deterministically the primary first stops taking writes (`CLIENT PAUSE WRITE`: the relay's
+/// writes wait, unanswered) and the replica catches up; only then is it killed, and the
+/// failover itself is the sentinels' own, as after a crash. (`SENTINEL FAILOVER` alone would not
+/// do: it promotes the replica without stopping writes on the old primary first.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_follows_a_sentinel_failover_under_load() {
+    let sentinel = ValkeySentinel::start();
+    let db = TestDb::new("sentinel").await;
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &sentinel.urls,
+        &[
+            "--valkey-sentinel-master",
+            &sentinel.name,
+            "--batch-size",
+            "50",
+        ],
+    ))
+    .await;
+    let first = sentinel.primary_port();
+    let producer = Producer::start(&db.url, &["order.placed"]);
+    producer.wait_for_more(300).await;
+    {
+        // The relay writes to the primary.
+        let mut conn = sentinel.conn(first).await;
+        assert!(!pending_ids(&mut conn, "default").await.is_empty());
+    }
+
+    let second = sentinel.kill_primary().await;
+    assert_ne!(first, second);
+    producer.wait_for_more(300).await;
+
+    let committed = producer.stop().await;
+    let expected: HashMap<String, Vec<String>> = HashMap::from([(
+        "default".to_owned(),
+        committed.into_iter().map(|(_, id)| id).collect(),
+    )]);
+    let mut conn = sentinel.conn(second).await;
+    assert_each_delivered_once(&mut conn, &expected).await;
+    assert!(
+        relay.metrics.write_errors.get() > 0,
+        "the failover was felt by the relay (and retried)"
+    );
+
+    // `peek` and `status` find the new primary through the sentinels too.
+    let target = run_args(
+        &db,
+        &sentinel.urls,
+        &["--valkey-sentinel-master", &sentinel.name],
+    )
+    .valkey
+    .target()
+    .unwrap();
+    let mut valkey = target.connect().await.unwrap();
+    let peeked = outbox_relay::inspect::peek(&mut valkey, "default", 3)
+        .await
+        .unwrap();
+    assert_eq!(
+        peeked.iter().map(|t| t.id.clone()).collect::<Vec<_>>(),
+        expected["default"][..3]
+    );
+    let c = db.client().await;
+    let status = outbox_relay::status::collect(
+        &c,
+        Some(valkey),
+        &outbox_relay::pgoutput::TableName::parse("outbox_events").unwrap(),
+        "outbox_relay",
+        &db.slot,
+    )
+    .await
+    .unwrap();
+    let queues = status.queues.expect("status reaches the primary");
+    assert_eq!(queues.len(), 1);
+    assert_eq!(queues[0].pending, expected["default"].len() as i64);
+    relay.stop().await;
+}
