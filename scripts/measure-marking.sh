@@ -5,8 +5,10 @@
 #
 # The stream marks the rows it delivered (`UPDATE ... SET published_at = now() WHERE id =
 # ANY(...)`, coalesced, off its hot path) so the recovery poller does not redo them. This
-# drains the same backlog twice with a release build, with OUTBOX_MARK_PUBLISHED=true and
-# =false, on a throwaway Postgres and Redis, and prints per event: the WAL the inserts wrote,
+# drains the same backlog three times with a release build: rows marked published (the
+# default), kept as they are (OUTBOX_MARK_PUBLISHED=false) and deleted
+# (OUTBOX_DELETE_DELIVERED=true), on a throwaway Postgres and Redis, and prints per event: the
+# WAL the inserts wrote,
 # the WAL written while the relay drained (the marking's UPDATEs and their index and heap
 # changes), the rows updated, the UPDATE statements, and the drain time.
 set -euo pipefail
@@ -31,14 +33,14 @@ PG=$("$ROOT/scripts/pg-start.sh" "$WORK/pg" -- -c track_io_timing=off 2>/dev/nul
 REDIS=$("$ROOT/scripts/redis-start.sh" "$WORK/redis" 2>/dev/null)
 q() { psql "$1" -qAtX -v ON_ERROR_STOP=1 -c "$2"; }
 
-printf '| marking | insert WAL B/event | drain WAL B/event | rows updated | UPDATE statements | drain s |\n'
+printf '| delivered rows | insert WAL B/event | drain WAL B/event | rows updated or deleted | transactions during the drain | drain s |\n'
 printf '|---|---:|---:|---:|---:|---:|\n'
-for mark in true false; do
-    db="mark_$mark"
+for mode in mark keep delete; do
+    db="mode_$mode"
     q "$PG" "CREATE DATABASE $db"
     url="${PG%/*}/$db"
     OUTBOX_DATABASE_URL=$url "$BIN" migrate >/dev/null 2>&1
-    q "$url" "SELECT pg_create_logical_replication_slot('slot_$mark', 'pgoutput')" >/dev/null
+    q "$url" "SELECT pg_create_logical_replication_slot('slot_$mode', 'pgoutput')" >/dev/null
     redis-cli -u "$REDIS" flushall >/dev/null
     w0=$(q "$url" "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
     txns=$((EVENTS / 100))
@@ -50,28 +52,31 @@ for mark in true false; do
         COMMIT; END LOOP; END \$\$"
     q "$url" "CHECKPOINT"
     w1=$(q "$url" "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
-    upd0=$(q "$url" "SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = 'outbox_events'")
+    upd0=$(q "$url" "SELECT n_tup_upd + n_tup_del FROM pg_stat_user_tables WHERE relname = 'outbox_events'")
     calls0=$(q "$url" "SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database WHERE datname = '$db'")
     start=$(date +%s.%N)
-    OUTBOX_DATABASE_URL=$url OUTBOX_VALKEY_URL=$REDIS OUTBOX_SLOT=slot_$mark OUTBOX_RECOVERY=false OUTBOX_MARK_PUBLISHED=$mark \
-        OUTBOX_METRICS_ADDR=127.0.0.1:0 "$BIN" run >"$WORK/relay-$mark.log" 2>&1 &
+    OUTBOX_DATABASE_URL=$url OUTBOX_VALKEY_URL=$REDIS OUTBOX_SLOT=slot_$mode OUTBOX_RECOVERY=false OUTBOX_MARK_PUBLISHED=$([[ $mode == keep ]] && echo false || echo true) \
+        OUTBOX_DELETE_DELIVERED=$([[ $mode == delete ]] && echo true || echo false) \
+        OUTBOX_METRICS_ADDR=127.0.0.1:0 "$BIN" run >"$WORK/relay-$mode.log" 2>&1 &
     RELAY_PID=$!
     deadline=$((SECONDS + 600))
     until [[ $(redis-cli -u "$REDIS" llen "asynq:{default}:pending") -ge $EVENTS ]]; do
-        ((SECONDS < deadline)) || { tail -5 "$WORK/relay-$mark.log" >&2; exit 1; }
-        kill -0 "$RELAY_PID" 2>/dev/null || { tail -5 "$WORK/relay-$mark.log" >&2; exit 1; }
+        ((SECONDS < deadline)) || { tail -5 "$WORK/relay-$mode.log" >&2; exit 1; }
+        kill -0 "$RELAY_PID" 2>/dev/null || { tail -5 "$WORK/relay-$mode.log" >&2; exit 1; }
         sleep 0.05
     done
-    if [[ $mark == true ]]; then
+    if [[ $mode == mark ]]; then
         until [[ $(q "$url" "SELECT count(*) FROM outbox_events WHERE published_at IS NULL") -eq 0 ]]; do sleep 0.05; done
+    elif [[ $mode == delete ]]; then
+        until [[ $(q "$url" "SELECT count(*) FROM outbox_events") -eq 0 ]]; do sleep 0.05; done
     fi
     end=$(date +%s.%N)
     kill -TERM "$RELAY_PID"; wait "$RELAY_PID" || true; RELAY_PID=
     sleep 0.7 # let the statistics collector catch up
     w2=$(q "$url" "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
-    upd1=$(q "$url" "SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = 'outbox_events'")
+    upd1=$(q "$url" "SELECT n_tup_upd + n_tup_del FROM pg_stat_user_tables WHERE relname = 'outbox_events'")
     calls1=$(q "$url" "SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database WHERE datname = '$db'")
-    python3 - "$mark" "$EVENTS" "$w0" "$w1" "$w2" "$upd0" "$upd1" "$calls0" "$calls1" "$start" "$end" <<'PY'
+    python3 - "$mode" "$EVENTS" "$w0" "$w1" "$w2" "$upd0" "$upd1" "$calls0" "$calls1" "$start" "$end" <<'PY'
 import sys
 mark, n, w0, w1, w2, u0, u1, c0, c1, t0, t1 = sys.argv[1:]
 n = int(n)
@@ -80,4 +85,4 @@ print(f"| {mark} | {(int(w1)-int(w0))/n:.0f} | {(int(w2)-int(w1))/n:.1f} | {int(
 PY
 done
 echo
-echo "EVENTS=$EVENTS; 'UPDATE statements' counts the database's committed transactions during the drain (each marking UPDATE is one; the relay's monitor adds a few reads)."
+echo "EVENTS=$EVENTS; the transactions column counts the database's commits during the drain (each marking statement is one; the relay's monitor adds a few reads)."

@@ -456,6 +456,11 @@ pub struct RunArgs {
     /// In stream mode, mark delivered rows published (so the recovery poller skips them).
     #[arg(long, env = "OUTBOX_MARK_PUBLISHED", default_value_t = true, action = clap::ArgAction::Set)]
     pub mark_published: bool,
+    /// Delete delivered rows instead of marking them published (stream and poller). Far less
+    /// WAL than the UPDATE (which the walsender must decode too), but no delivery history in
+    /// the table, and the Go kit's poller, if still running, cannot tell delivered rows apart.
+    #[arg(long, env = "OUTBOX_DELETE_DELIVERED", default_value_t = false, action = clap::ArgAction::Set)]
+    pub delete_delivered: bool,
     /// Failed attempts after which a row becomes a dead letter.
     #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 10, value_parser = clap::value_parser!(i32).range(1..))]
     pub max_attempts: i32,

@@ -107,7 +107,7 @@ pub async fn run(
     metrics.health.set_valkey(true);
     metrics.health.set_running(true, args.mode == Mode::Stream);
     let tasks = Arc::new(args.task_settings());
-    let store = Store::new(args.db.table.clone());
+    let store = Store::new(args.db.table.clone()).deleting_delivered(args.delete_delivered);
     let pool = pg.pool(args.pollers + 2);
     // Background work stops on its own token, after the stream has finished its shutdown.
     let background = CancellationToken::new();

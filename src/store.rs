@@ -79,6 +79,8 @@ pub struct Store {
     table: TableName,
     claim: String,
     claim_recovery: String,
+    /// Delete delivered rows instead of setting `published_at`.
+    delete_delivered: bool,
 }
 
 impl Store {
@@ -101,7 +103,14 @@ impl Store {
             claim: claim(""),
             claim_recovery: claim(" AND created_at < now() - make_interval(secs => $2)"),
             table,
+            delete_delivered: false,
         }
+    }
+
+    /// Deletes delivered rows instead of marking them published (much less WAL; no history).
+    pub fn deleting_delivered(mut self, delete: bool) -> Self {
+        self.delete_delivered = delete;
+        self
     }
 
     pub fn table(&self) -> &TableName {
@@ -137,11 +146,20 @@ impl Store {
         if ids.is_empty() {
             return Ok(0);
         }
-        let sql = format!(
-            "UPDATE {} SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL",
-            self.table.sql()
-        );
-        client.execute(&sql, &[&ids]).await
+        client.execute(&self.settle_sql(false), &[&ids]).await
+    }
+
+    /// Marks delivered rows published, or deletes them with `delete_delivered`.
+    fn settle_sql(&self, returning: bool) -> String {
+        let ret = if returning { " RETURNING id" } else { "" };
+        if self.delete_delivered {
+            format!("DELETE FROM {} WHERE id = ANY($1){ret}", self.table.sql())
+        } else {
+            format!(
+                "UPDATE {} SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL{ret}",
+                self.table.sql()
+            )
+        }
     }
 
     /// Marks rows published; returns the ids it marked (rows already marked, or not yet
@@ -151,12 +169,8 @@ impl Store {
         client: &impl GenericClient,
         ids: &[i64],
     ) -> Result<Vec<i64>, tokio_postgres::Error> {
-        let sql = format!(
-            "UPDATE {} SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL RETURNING id",
-            self.table.sql()
-        );
         Ok(client
-            .query(&sql, &[&ids])
+            .query(&self.settle_sql(true), &[&ids])
             .await?
             .iter()
             .map(|r| r.get(0))

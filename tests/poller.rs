@@ -448,3 +448,46 @@ async fn a_lost_slot_can_stop_the_relay_instead() {
         "the slot was not recreated"
     );
 }
+
+/// OUTBOX_DELETE_DELIVERED: delivered rows are deleted, by the stream's marker and by the
+/// poller; rows that could not be delivered stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delivered_rows_can_be_deleted_instead_of_marked() {
+    let db = TestDb::new("deleting").await;
+    let redis = Redis::start();
+    let mut c = db.client().await;
+    let before = insert_events(&mut c, "before.slot", 50, 10).await;
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &[
+            "--delete-delivered",
+            "true",
+            "--recovery-grace",
+            "1s",
+            "--poll-interval",
+            "200ms",
+        ],
+    ))
+    .await;
+    let streamed = insert_events(&mut c, "streamed", 300, 30).await;
+    c.batch_execute("INSERT INTO outbox_events (event_id, event_name, payload) VALUES (gen_random_uuid(), '', '{}')")
+        .await
+        .unwrap();
+    let pending = wait_pending(&redis, "default", 350).await;
+    let got: HashSet<&String> = pending.iter().collect();
+    assert!(before.iter().chain(&streamed).all(|id| got.contains(id)));
+    let left = eventually("delivered rows are deleted", || async {
+        let names: Vec<String> = c
+            .query("SELECT event_name FROM outbox_events", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        (names.len() == 1).then_some(names)
+    })
+    .await;
+    assert_eq!(left, [""], "only the undeliverable row stays");
+    relay.stop().await;
+}
