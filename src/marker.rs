@@ -25,8 +25,13 @@ use tokio_util::sync::CancellationToken;
 const MAX_IDS_PER_UPDATE: usize = 10_000;
 /// Ids waiting to be marked at most (8 bytes each).
 const MAX_PENDING_IDS: usize = 1_000_000;
-/// Gather ids this long before an UPDATE (fewer, larger statements).
-const GATHER: Duration = Duration::from_millis(50);
+/// Marking waits until the stream has been quiet this long (a burst is delivered first; the
+/// UPDATEs, and the WAL the walsender must then decode, come after it)...
+const QUIET: Duration = Duration::from_millis(100);
+/// ...but never longer than this (well inside any sensible OUTBOX_RECOVERY_GRACE)...
+const MAX_WAIT: Duration = Duration::from_secs(2);
+/// ...or than this many ids.
+const FLUSH_IDS: usize = 100_000;
 /// Ids an UPDATE did not find are retried after this, this many times.
 const MISS_DELAY: Duration = Duration::from_millis(200);
 const MISS_TRIES: u8 = 3;
@@ -108,10 +113,7 @@ impl Marker {
                     let _ = self.flush(&ids, false).await;
                     return;
                 }
-                _ = self.shared.notify.notified() => {
-                    // Let more ids gather into this UPDATE.
-                    tokio::time::sleep(GATHER).await;
-                }
+                _ = self.shared.notify.notified() => self.gather().await,
                 _ = sleep_until_opt(retry) => {
                     self.retry_at = None;
                     let again: Vec<i64> = self.missed.iter().map(|(id, _)| *id).collect();
@@ -134,6 +136,22 @@ impl Marker {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Waits while ids keep arriving (up to the bounds), so marking does not compete with the
+    /// stream for the database during a burst, and gathers them into few, large UPDATEs.
+    async fn gather(&self) {
+        let deadline = Instant::now() + MAX_WAIT;
+        loop {
+            if self.shared.ids.lock().expect("marker lock").len() >= FLUSH_IDS {
+                return;
+            }
+            let quiet = tokio::time::timeout(QUIET, self.shared.notify.notified());
+            tokio::select! {
+                r = quiet => if r.is_err() { return },
+                _ = tokio::time::sleep_until(deadline) => return,
             }
         }
     }
