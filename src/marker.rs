@@ -25,8 +25,12 @@ use tokio_util::sync::CancellationToken;
 const MAX_IDS_PER_UPDATE: usize = 10_000;
 /// Ids waiting to be marked at most (8 bytes each).
 const MAX_PENDING_IDS: usize = 1_000_000;
-/// Marking waits until the stream has been quiet this long (a burst is delivered first; the
-/// UPDATEs, and the WAL the walsender must then decode, come after it)...
+/// After this long, a trickle of ids (fewer than `BURST_IDS`) is marked at once: steady load
+/// gets small, frequent UPDATEs, whose WAL the walsender decodes without a noticeable pause.
+const SHORT: Duration = Duration::from_millis(100);
+const BURST_IDS: usize = 5_000;
+/// In a burst, marking waits until the stream has been quiet this long, so the burst is
+/// delivered before its UPDATE WAL competes with the walsender...
 const QUIET: Duration = Duration::from_millis(100);
 /// ...but never longer than this (well inside any sensible OUTBOX_RECOVERY_GRACE)...
 const MAX_WAIT: Duration = Duration::from_secs(2);
@@ -140,18 +144,25 @@ impl Marker {
         }
     }
 
-    /// Waits while ids keep arriving (up to the bounds), so marking does not compete with the
-    /// stream for the database during a burst, and gathers them into few, large UPDATEs.
+    /// Gathers ids into few, large UPDATEs: a steady trickle is marked after `SHORT`; during a
+    /// burst, marking waits until the stream is quiet (up to the bounds), so it does not compete
+    /// with the stream for the database while the burst is delivered.
     async fn gather(&self) {
-        let deadline = Instant::now() + MAX_WAIT;
+        let started = Instant::now();
         loop {
-            if self.shared.ids.lock().expect("marker lock").len() >= FLUSH_IDS {
+            let pending = self.shared.ids.lock().expect("marker lock").len();
+            let waited = started.elapsed();
+            if pending >= FLUSH_IDS
+                || waited >= MAX_WAIT
+                || (waited >= SHORT && pending < BURST_IDS)
+            {
                 return;
             }
-            let quiet = tokio::time::timeout(QUIET, self.shared.notify.notified());
-            tokio::select! {
-                r = quiet => if r.is_err() { return },
-                _ = tokio::time::sleep_until(deadline) => return,
+            if tokio::time::timeout(QUIET, self.shared.notify.notified())
+                .await
+                .is_err()
+            {
+                return;
             }
         }
     }
