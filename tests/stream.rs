@@ -225,7 +225,15 @@ async fn sigkill_mid_stream_loses_and_duplicates_nothing() {
 async fn sigterm_acknowledges_and_exits_zero() {
     let db = TestDb::new("sigterm").await;
     let redis = Redis::start();
-    let mut relay = RelayProcess::spawn_streaming(&db, &redis.url, &[]).await;
+    // Nothing but the producer writes WAL here (no marking, no poller), so the WAL position
+    // right after the last commit is that commit's end: what the final acknowledgement must
+    // reach.
+    let mut relay = RelayProcess::spawn_streaming(
+        &db,
+        &redis.url,
+        &["--mark-published", "false", "--recovery", "false"],
+    )
+    .await;
     let mut c = db.client().await;
     let ids = insert_events(&mut c, "order.placed", 500, 50).await;
     let after_commit = db.current_lsn().await;
