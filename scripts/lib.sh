@@ -133,3 +133,52 @@ assert_removable_dir() {
     esac
     [[ $d == /?*/?* ]] || die "refusing to remove '$d' (too close to /)"
 }
+
+# Parses the `DIR [--keep]` arguments of the stop scripts into DIR and KEEP. The caller
+# defines `usage`. Exits 0 when DIR does not exist (nothing to stop).
+parse_stop_args() {
+    DIR=""
+    KEEP=0
+    local arg
+    for arg in "$@"; do
+        case "$arg" in
+        -h | --help) usage ;;
+        --keep) KEEP=1 ;;
+        -*) die "unknown option '$arg'" ;;
+        *)
+            [[ -z $DIR ]] || die "unexpected argument '$arg'"
+            DIR=$(abs_path "$arg")
+            ;;
+        esac
+    done
+    [[ -n $DIR ]] || usage
+    if [[ ! -d $DIR ]]; then
+        log "$DIR does not exist; nothing to do"
+        exit 0
+    fi
+}
+
+# Stops every server in the subdirectories of $1 (as started by the cluster or Sentinel start
+# scripts) with redis-stop.sh: sentinels first, so they do not react to the rest going away.
+# Then removes $1 unless KEEP is 1.
+stop_server_dirs() {
+    local dir=$1 pass node stop
+    stop="$(dirname "${BASH_SOURCE[0]}")/redis-stop.sh"
+    for pass in sentinels others; do
+        for node in "$dir"/*/; do
+            node=${node%/}
+            [[ -f $node/port ]] || continue
+            case "$(basename "$node")" in
+            sentinel*) [[ $pass == sentinels ]] || continue ;;
+            *) [[ $pass == others ]] || continue ;;
+            esac
+            "$stop" "$node" --keep
+        done
+    done
+    rm -f "$dir/url"
+    if ((!KEEP)); then
+        assert_removable_dir "$dir"
+        rm -rf -- "$dir"
+        log "removed $dir"
+    fi
+}

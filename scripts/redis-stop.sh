@@ -20,25 +20,7 @@ usage() {
     exit 2
 }
 
-DIR=""
-KEEP=0
-for arg in "$@"; do
-    case "$arg" in
-    -h | --help) usage ;;
-    --keep) KEEP=1 ;;
-    -*) die "unknown option '$arg'" ;;
-    *)
-        [[ -z $DIR ]] || die "unexpected argument '$arg'"
-        DIR=$(abs_path "$arg")
-        ;;
-    esac
-done
-[[ -n $DIR ]] || usage
-
-if [[ ! -d $DIR ]]; then
-    log "$DIR does not exist; nothing to do"
-    exit 0
-fi
+parse_stop_args "$@"
 
 PIDFILE=$DIR/redis.pid
 PID=$(cat "$PIDFILE" 2>/dev/null || true)
