@@ -77,11 +77,7 @@ async fn valkey_down_for_thirty_seconds() {
     let result = load.stop().await;
     let v = verify("valkey_down_30s", &redis, &result, 1).await;
     assert!(v.ok(), "{v}");
-    let reconnects = relay
-        .metrics
-        .reconnects
-        .get_or_create(&outbox_relay::metrics::TargetLabel { target: "postgres" })
-        .get();
+    let reconnects = relay.postgres_reconnects();
     assert_eq!(
         reconnects, 0,
         "the walsender timed out: status updates stopped while Valkey was down"
@@ -387,11 +383,7 @@ async fn schema_drift_while_streaming() {
         "the poller delivered the row once the table was fixed"
     );
     assert!(ids.contains(&"00000000-0000-4000-8000-000000000005".to_string()));
-    let reconnects = relay
-        .metrics
-        .reconnects
-        .get_or_create(&outbox_relay::metrics::TargetLabel { target: "postgres" })
-        .get();
+    let reconnects = relay.postgres_reconnects();
     assert_eq!(reconnects, 0, "no reconnect loop");
     relay.stop().await;
 }

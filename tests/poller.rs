@@ -142,22 +142,7 @@ async fn a_dropped_slot_is_recreated_and_nothing_is_lost() {
         ids
     });
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    let admin = db.client().await;
-    // Terminate the walsender and drop the slot before the relay reconnects.
-    eventually("the slot is dropped", || async {
-        let _ = admin
-            .execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                &[&db.slot],
-            )
-            .await;
-        admin
-            .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
-            .await
-            .ok()
-            .map(|_| ())
-    })
-    .await;
+    db.drop_slot_under_relay().await;
     let ids = producer.await.unwrap();
     let pending = wait_pending(&redis, "default", ids.len()).await;
     let got: HashSet<&String> = pending.iter().collect();
@@ -426,17 +411,7 @@ async fn a_lost_slot_can_stop_the_relay_instead() {
     let redis = Redis::start();
     let relay =
         Relay::start_streaming(run_args(&db, &redis.url, &["--on-slot-lost", "stop"])).await;
-    let admin = db.client().await;
-    eventually("the slot is dropped", || async {
-        let _ = admin
-            .execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                &[&db.slot],
-            )
-            .await;
-        admin.execute("SELECT pg_drop_replication_slot($1)", &[&db.slot]).await.ok().map(|_| ())
-    })
-    .await;
+    db.drop_slot_under_relay().await;
     let err = relay.join().await.unwrap_err();
     assert!(
         err.to_string().contains("OUTBOX_ON_SLOT_LOST=stop"),

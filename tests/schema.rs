@@ -222,14 +222,7 @@ async fn update_delete_truncate_are_ignored() {
             "00000000-0000-4000-8000-000000000002"
         ]
     );
-    assert_eq!(
-        relay
-            .metrics
-            .reconnects
-            .get_or_create(&outbox_relay::metrics::TargetLabel { target: "postgres" })
-            .get(),
-        0
-    );
+    assert_eq!(relay.postgres_reconnects(), 0);
     relay.stop().await;
 }
 

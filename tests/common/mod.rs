@@ -298,6 +298,26 @@ impl TestDb {
         row.get::<_, Option<i64>>(0).map(|v| v as u64)
     }
 
+    /// Terminates the walsender holding the slot and drops the slot before the relay can take
+    /// it again (retrying until the drop wins the race).
+    pub async fn drop_slot_under_relay(&self) {
+        let admin = self.client().await;
+        eventually("the slot is dropped", || async {
+            let _ = admin
+                .execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    &[&self.slot],
+                )
+                .await;
+            admin
+                .execute("SELECT pg_drop_replication_slot($1)", &[&self.slot])
+                .await
+                .ok()
+                .map(|_| ())
+        })
+        .await
+    }
+
     /// Waits until a walsender holds the slot.
     pub async fn wait_slot_active(&self) {
         eventually("the slot is active", || async {
@@ -409,6 +429,14 @@ impl Relay {
             token,
             handle,
         }
+    }
+
+    /// How often the stream reconnected to Postgres.
+    pub fn postgres_reconnects(&self) -> u64 {
+        self.metrics
+            .reconnects
+            .get_or_create(&outbox_relay::metrics::TargetLabel { target: "postgres" })
+            .get()
     }
 
     /// GET `path` from the relay's HTTP endpoint: (status, body).
