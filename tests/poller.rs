@@ -466,3 +466,39 @@ async fn delivered_rows_can_be_deleted_instead_of_marked() {
     assert_eq!(left, [""], "only the undeliverable row stays");
     relay.stop().await;
 }
+
+/// The periodic cleanup inside `run` deletes published rows once they are old enough, and
+/// never unpublished ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn periodic_cleanup_inside_run() {
+    let db = TestDb::new("periodic").await;
+    let redis = Redis::start();
+    let mut c = db.client().await;
+    c.batch_execute("INSERT INTO outbox_events (event_id, event_name, payload) VALUES (gen_random_uuid(), '', '{}')")
+        .await
+        .unwrap();
+    let relay = Relay::start(run_args(
+        &db,
+        &redis.url,
+        &[
+            &poll_mode()[..],
+            &["--cleanup-older-than", "1s", "--cleanup-interval", "200ms"],
+        ]
+        .concat(),
+    ));
+    let ids = insert_events(&mut c, "cleaned.up", 20, 10).await;
+    wait_pending(&redis, "default", ids.len()).await;
+    let left = eventually("published rows are deleted", || async {
+        let names: Vec<String> = c
+            .query("SELECT event_name FROM outbox_events", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        (names.len() == 1).then_some(names)
+    })
+    .await;
+    assert_eq!(left, [""], "the unpublished (bad) row stays");
+    relay.stop().await;
+}
