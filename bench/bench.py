@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import report
-from harness import (Env, Relay, create_slot, current_lsn, insert_backlog, log, proc_cpu_seconds,
+from harness import (Env, Perf, Relay, create_slot, current_lsn, insert_backlog, log, proc_cpu_seconds,
                      proc_hwm_mib, still_running, wait_pending, wait_rusage)
 from steady import phase_steady
 
@@ -48,24 +48,32 @@ def phase_recvlogical(env: Env) -> dict:
     argv = [a.pg_recvlogical, "-d", url, "--slot", "bench_recvlogical", "--start",
             "-o", "proto_version=1", "-o", "publication_names=outbox_relay",
             "-f", "/dev/null", "--endpos", endpos, "--no-loop"]
+    perf = Perf(env, "pg_recvlogical")
+    sampler = env.cpu_sampler()
     t0 = time.monotonic()
     p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     rc, cpu, rss = wait_rusage(p)
     wall = time.monotonic() - t0
+    servers = sampler.stop()
+    perf.stop()
     err = p.stderr.read().decode(errors="replace")
     if rc != 0:
         raise RuntimeError(f"pg_recvlogical failed ({rc}): {err}")
     env.drop_db("bench_recvlogical")
     return {"phase": "pg_recvlogical", "events": a.events, "drain_s": wall, "total_s": wall,
-            "cpu_s": cpu, "rss_mib": rss}
+            "cpu_s": cpu, "rss_mib": rss, "servers": servers}
 
 
 def run_relay_backlog(env: Env, name: str, url: str, ready: str, **settings: str) -> dict:
     a = env.a
     env.flush_redis()
+    perf = Perf(env, name)
+    sampler = env.cpu_sampler()
     relay = Relay(env, name, env.relay_env(url, **settings), ready)
     try:
         t_done = wait_pending(env, a.events, a.timeout, relay.alive)
+        servers = sampler.stop()
+        perf.stop()
         cpu_end = proc_cpu_seconds(relay.p.pid)
         hwm = proc_hwm_mib(relay.p.pid)
         metrics = relay.metrics()
@@ -76,7 +84,7 @@ def run_relay_backlog(env: Env, name: str, url: str, ready: str, **settings: str
     return {"events": a.events, "drain_s": t_done - relay.t_ready,
             "total_s": t_done - relay.t_spawn, "startup_s": relay.t_ready - relay.t_spawn,
             "cpu_s": cpu_end - relay.cpu_ready, "cpu_startup_s": relay.cpu_ready,
-            "rss_mib": hwm,
+            "rss_mib": hwm, "servers": servers,
             # Stream: Valkey writes; poll mode: poll rounds.
             "batches": metrics.get("outbox_batch_duration_seconds_count", math.nan)}
 
@@ -109,6 +117,7 @@ def phase_naive(env: Env) -> dict:
     url = env.fresh_db("bench_naive")
     insert_backlog(url, a.events, a.per_txn)
     env.flush_redis()
+    sampler = env.cpu_sampler()
     t0 = time.monotonic()
     p = subprocess.Popen([a.naive, "--database-url", url, "--redis-url", a.redis_url,
                           "--batch", "100"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -123,6 +132,7 @@ def phase_naive(env: Env) -> dict:
 
     try:
         t_done = wait_pending(env, a.events, a.timeout, alive)
+        servers = sampler.stop()
     except BaseException:
         p.kill()
         raise
@@ -132,7 +142,14 @@ def phase_naive(env: Env) -> dict:
     env.drop_db("bench_naive")
     return {"phase": "naive", "events": a.events, "drain_s": t_done - t0, "total_s": t_done - t0,
             "cpu_s": cpu, "rss_mib": max((v for v in (peak[0], rss) if not math.isnan(v)),
-                                         default=math.nan)}
+                                         default=math.nan), "servers": servers}
+
+
+def median_run(rs: list[dict]) -> dict:
+    """The run with the median rate (the lower middle one of an even count), with every run's
+    events/s beside it."""
+    ranked = sorted(rs, key=lambda r: r["events"] / r["drain_s"])
+    return dict(ranked[(len(ranked) - 1) // 2], runs_eps=[r["events"] / r["drain_s"] for r in rs])
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -157,15 +174,23 @@ def main() -> int:
     ap.add_argument("--max-drift-ms", type=float, default=100.0,
                     help="nor one whose median latency climbs more than this through the step")
     ap.add_argument("--phases", default="recvlogical,stream,poller1,poller4,naive,steady")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the backlog phases this many times, in rounds, and report each"
+                         " phase's median run with the range")
     ap.add_argument("--timeout", type=float, default=600.0, help="per backlog phase, seconds")
     ap.add_argument("--docs-dir", required=True, help="benchmarks.md and the plot go here")
     ap.add_argument("--template", default="docs/benchmarks.md")
     ap.add_argument("--workdir", required=True, help="logs and raw results")
     ap.add_argument("--relay-env", action="append", default=[], metavar="OUTBOX_X=VALUE",
                     help="a setting for every relay phase, on top of the phase's own (for A/B runs)")
+    ap.add_argument("--perf", action="store_true",
+                    help="profile each backlog drain with `perf record -a` (reports in --workdir;"
+                         " perf's sampling slows the run, so do not quote its rates)")
     ap.add_argument("--command", default="scripts/bench.sh")
     ap.add_argument("--commit", default="unknown")
     a = ap.parse_args()
+    if a.repeat < 1:
+        ap.error("--repeat takes a positive number")
     try:
         a.relay_env = dict(kv.split("=", 1) for kv in a.relay_env)
     except ValueError:
@@ -179,17 +204,27 @@ def main() -> int:
     env = Env(a)
     phases = set(a.phases.split(","))
     m = report.machine(env.admin, env.redis, a.commit)
-    backlog: list[dict] = []
     steady: list[dict] = []
-    if "recvlogical" in phases:
-        backlog.append(phase_recvlogical(env))
-    if "stream" in phases:
-        backlog.append(phase_stream(env))
-    for k in (1, 4):
-        if f"poller{k}" in phases:
-            backlog.append(phase_poller(env, k))
-    if "naive" in phases:
-        backlog.append(phase_naive(env))
+    runners = [(key, fn) for key, fn in [
+        ("recvlogical", lambda: phase_recvlogical(env)),
+        ("stream", lambda: phase_stream(env)),
+        ("poller1", lambda: phase_poller(env, 1)),
+        ("poller4", lambda: phase_poller(env, 4)),
+        ("naive", lambda: phase_naive(env)),
+    ] if key in phases]
+    # Rounds, not phase after phase: whatever drifts on the machine meanwhile touches every phase.
+    runs: dict[str, list[dict]] = {}
+    for i in range(a.repeat):
+        if a.repeat > 1:
+            log(f"round {i + 1} of {a.repeat}")
+        for key, fn in runners:
+            runs.setdefault(key, []).append(fn())
+    backlog = [median_run(rs) for rs in runs.values()]
+    if "stream" in runs and "recvlogical" in runs:
+        # The same round's stream over its pg_recvlogical: the two ran a minute apart.
+        eps = lambda r: r["events"] / r["drain_s"]  # noqa: E731
+        paired = [eps(st) / eps(rl) for st, rl in zip(runs["stream"], runs["recvlogical"])]
+        next(r for r in backlog if r["phase"] == "stream")["paired_ratios"] = paired
     if "steady" in phases:
         steady = phase_steady(env)
 
@@ -200,7 +235,7 @@ def main() -> int:
     report.write_doc(section, docs / "benchmarks.md", Path(a.template))
     raw = env.workdir / "results.json"
     raw.write_text(json.dumps({"quick": a.quick, "events": a.events, "machine": m,
-                               "backlog": backlog, "steady": steady}, indent=1))
+                               "backlog": backlog, "runs": runs, "steady": steady}, indent=1))
     print(section)
     log(f"wrote {docs / 'benchmarks.md'}, {docs / 'bench-latency.png'}; raw results {raw}")
     return 0

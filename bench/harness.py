@@ -65,6 +65,7 @@ class Env:
             k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "VALKEY_"))
         }
         self.base_env["OUTBOX_LOG"] = "info"
+        self._pids: tuple[int, int] | None = None
 
     def db_url(self, name: str) -> str:
         base, _ = self.pg_url.rsplit("/", 1)
@@ -90,6 +91,19 @@ class Env:
             ).fetchall():
                 c.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
             c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+    def server_pids(self) -> tuple[int, int]:
+        """(the postmaster's pid, the Valkey server's pid), both on this machine."""
+        with self.admin() as c:
+            backend = c.execute("SELECT pg_backend_pid()").fetchone()[0]
+        with open(f"/proc/{backend}/stat") as f:
+            postmaster = int(f.read().rsplit(")", 1)[1].split()[1])
+        return postmaster, int(self.redis.info("server")["process_id"])
+
+    def cpu_sampler(self) -> "CpuSampler":
+        if self._pids is None:
+            self._pids = self.server_pids()
+        return CpuSampler(*self._pids)
 
     def flush_redis(self) -> None:
         self.redis.flushall()
@@ -153,6 +167,128 @@ def proc_hwm_mib(pid: int) -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def proc_schedstat(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for a CPU) of a live process's main thread,
+    from /proc/PID/schedstat (nanoseconds, exact, unlike the clock ticks of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        run_ns, wait_ns, _ = f.read().split()
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
+
+# Postgres' own processes, by the title they set; everything else under the postmaster serves a
+# client connection.
+PG_BACKGROUND = ("checkpointer", "background writer", "walwriter", "autovacuum", "logical replication",
+                 "stats", "archiver", "startup", "logger")
+
+
+def pg_category(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        title = f.read().replace(b"\0", b" ").decode(errors="replace")
+    if "walsender" in title:
+        return "walsender"
+    if any(k in title for k in PG_BACKGROUND):
+        return "pg_background"
+    return "pg_backend"
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
+
+
+class CpuSampler:
+    """Where the machine's CPU goes while a consumer drains: samples, every `interval` seconds on a
+    thread, the CPU time and the run-queue wait of each process under the postmaster (walsender,
+    client backends, background processes) and of the Valkey server, and keeps the last sample
+    of each process. `stop()` returns seconds per category over the sampled span.
+
+    Processes are single-threaded except Valkey, whose I/O threads are off here (io-threads 1), so
+    the main thread's schedstat is the process's. A process that exits loses at most its last
+    `interval` of CPU; one that starts counts from zero.
+    """
+
+    def __init__(self, postmaster: int, valkey: int, interval: float = 0.025):
+        self.postmaster, self.valkey, self.interval = postmaster, valkey, interval
+        self.first: dict[int, tuple[float, float]] = {}
+        self.last: dict[int, tuple[float, float]] = {}
+        self.category: dict[int, str] = {}
+        self.done = threading.Event()
+        self.sample()
+        self.first = dict(self.last)
+        self.t0 = time.monotonic()
+        self.busy0 = machine_busy_seconds()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _pids(self) -> list[int]:
+        with open(f"/proc/{self.postmaster}/task/{self.postmaster}/children") as f:
+            return [int(p) for p in f.read().split()] + [self.valkey]
+
+    def sample(self) -> None:
+        for pid in self._pids():
+            try:
+                # A new backend carries the postmaster's title until it sets its own (a
+                # walsender's says so only then): look again while it looks like a client's.
+                if self.category.get(pid, "pg_backend") == "pg_backend":
+                    self.category[pid] = ("valkey" if pid == self.valkey else pg_category(pid))
+                self.last[pid] = proc_schedstat(pid)
+            except (OSError, ValueError):
+                pass  # it exited between the listing and the read
+
+    def _run(self) -> None:
+        while not self.done.wait(self.interval):
+            self.sample()
+
+    def stop(self) -> dict[str, float]:
+        self.done.set()
+        self.thread.join()
+        self.sample()
+        out = {"span_s": time.monotonic() - self.t0,
+               "machine_busy_s": machine_busy_seconds() - self.busy0}
+        for pid, (run, wait) in self.last.items():
+            run0, wait0 = self.first.get(pid, (0.0, 0.0))
+            cat = self.category[pid]
+            out[f"cpu_{cat}_s"] = out.get(f"cpu_{cat}_s", 0.0) + run - run0
+            out[f"wait_{cat}_s"] = out.get(f"wait_{cat}_s", 0.0) + wait - wait0
+        return out
+
+
+class Perf:
+    """`perf record` of the whole machine (cpu-clock samples, call graphs) while a consumer drains,
+    with --perf; a no-op otherwise. `stop()` writes the reports next to the data:
+    PHASE.perf-comm.txt (share per process) and PHASE.perf-symbols.txt (top symbols per process).
+    perf's own sampling costs CPU, so a profiled run's rates are not the benchmark's."""
+
+    def __init__(self, env: Env, phase: str):
+        self.p = None
+        if not env.a.perf:
+            return
+        self.data = env.workdir / f"{phase}.perf.data"
+        self.out = env.workdir / phase
+        self.p = subprocess.Popen(["perf", "record", "-a", "-g", "-F", "499", "-e", "cpu-clock",
+                                   "-o", str(self.data)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)  # perf maps the machine's processes before it samples
+
+    def stop(self) -> None:
+        if self.p is None:
+            return
+        self.p.send_signal(signal.SIGINT)
+        self.p.wait(60)
+        common = ["perf", "report", "-i", str(self.data), "--stdio", "--no-children"]
+        with open(f"{self.out}.perf-comm.txt", "w") as f:
+            subprocess.run(common + ["--sort", "comm,dso", "-g", "none"], stdout=f,
+                           stderr=subprocess.DEVNULL, check=True)
+        with open(f"{self.out}.perf-symbols.txt", "w") as f:
+            subprocess.run(common + ["--sort", "comm,dso,symbol", "-g", "none",
+                                     "--percent-limit", "0.3"], stdout=f,
+                           stderr=subprocess.DEVNULL, check=True)
+        log(f"  profile: {self.out}.perf-comm.txt, {self.out}.perf-symbols.txt")
 
 
 class Relay:

@@ -107,10 +107,13 @@ def _backlog(a: argparse.Namespace, backlog: list[dict]) -> list[str]:
     stream = by.get("stream")
     lines = [
         f"**Backlog**: {a.events:,} events committed in {a.per_txn}-row transactions before the "
-        "consumer starts; time until the last one is in Valkey.", "",
+        "consumer starts; time until the last one is in Valkey."
+        + (f" Each phase ran {a.repeat} times, in rounds (every phase once, then again); each"
+           " row is the phase's median run (by events/s), the last column lists all runs."
+           if a.repeat > 1 else ""), "",
         "| phase | events/s | drain s | with start-up s | CPU µs/event | peak RSS MiB "
-        "| stream ÷ this |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| stream ÷ this |" + (f" events/s of the {a.repeat} runs |" if a.repeat > 1 else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---|" if a.repeat > 1 else ""),
     ]
     for key, label in BACKLOG_PHASES.items():
         r = by.get(key)
@@ -120,7 +123,8 @@ def _backlog(a: argparse.Namespace, backlog: list[dict]) -> list[str]:
         lines.append(
             f"| {label} | {_rate(_eps(r))} | {_num(r['drain_s'])} | {_num(r['total_s'])} "
             f"| {_num(r['cpu_s'] / r['events'] * 1e6, 1)} | {_num(r['rss_mib'], 1)} "
-            f"| {_num(ratio)} |")
+            f"| {_num(ratio)} |"
+            + (" " + ", ".join(_rate(x) for x in r["runs_eps"]) + " |" if a.repeat > 1 else ""))
     lines.append("")
     if stream:
         parts = [f"stream / {label} = **{_eps(stream) / _eps(by[key]):.2f}**"
@@ -129,6 +133,9 @@ def _backlog(a: argparse.Namespace, backlog: list[dict]) -> list[str]:
                  if key in by]
         if parts:
             lines += ["Ratios of events/s: " + "; ".join(parts) + ".", ""]
+        if len(stream.get("paired_ratios", [])) > 1:
+            lines += ["Stream / pg_recvlogical within each round: "
+                      + ", ".join(f"{x:.2f}" for x in stream["paired_ratios"]) + ".", ""]
         if not _nan(stream.get("batches")) and stream.get("batches"):
             lines += [f"The stream made {stream['batches']:,.0f} Valkey writes for "
                       f"{stream['events']:,} events: {stream['events'] / stream['batches']:,.1f} "
@@ -141,6 +148,48 @@ def _backlog(a: argparse.Namespace, backlog: list[dict]) -> list[str]:
         " /proc/PID/stat minus what start-up used; others: wait4), so it leaves out the"
         " walsender and Valkey; peak RSS is VmHWM. The table is ANALYZEd after the backlog is"
         " inserted, as autovacuum would do.", "",
+    ]
+
+
+def _cpu(a: argparse.Namespace, backlog: list[dict], nproc: int) -> list[str]:
+    """Where the machine's CPU went during each drain."""
+    rows = [r for r in backlog if r.get("servers")]
+    if not rows:
+        return []
+    lines = [
+        "**Where the CPU went** during each drain (the consumer's start to the last task in"
+        " Valkey): seconds on a CPU per process group, and the walsender's seconds runnable but"
+        " waiting for a CPU.", "",
+        "| phase | span s | walsender on CPU s | walsender waiting s | other Postgres s "
+        "| Valkey s | consumer s | everything else s | machine busy |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, label in BACKLOG_PHASES.items():
+        r = next((r for r in rows if r["phase"] == key), None)
+        if r is None:
+            continue
+        sv = r["servers"]
+        span = sv["span_s"]
+        ws = sv.get("cpu_walsender_s", 0.0)
+        other = sv.get("cpu_pg_backend_s", 0.0) + sv.get("cpu_pg_background_s", 0.0)
+        vk = sv.get("cpu_valkey_s", 0.0)
+        consumer = r["cpu_s"] + r.get("cpu_startup_s", 0.0)
+        busy = sv["machine_busy_s"]
+        rest = max(0.0, busy - (ws + other + vk + consumer))
+        pct = lambda x: f"{x:.2f} ({x / span:.0%})"  # noqa: E731
+        lines.append(
+            f"| {label} | {span:.2f} | {pct(ws)} | {pct(sv.get('wait_walsender_s', 0.0))} "
+            f"| {pct(other)} | {pct(vk)} | {pct(consumer)} | {pct(rest)} "
+            f"| {busy / (nproc * span):.0%} |")
+    return lines + [
+        "",
+        "From /proc/PID/schedstat of every process under the postmaster and of the Valkey server,"
+        " sampled every 25 ms (bench/harness.py `CpuSampler`); the consumer's from its own"
+        " /proc/PID/stat or wait4, start-up included; \"everything else\" is the rest of the machine's"
+        " busy time (/proc/stat: the benchmark's Python, the kernel's own threads, anything else"
+        " running). Percentages are of the span. \"Other"
+        " Postgres\" is the client backends (the relay's marking UPDATEs, the poller's queries)"
+        " and the background processes.", "",
     ]
 
 
@@ -183,6 +232,7 @@ def markdown(a: argparse.Namespace, m: dict, backlog: list[dict], steady: list[d
     lines = [BEGIN, ""] + _header(a, m)
     if backlog:
         lines += _backlog(a, backlog)
+        lines += _cpu(a, backlog, m["nproc"])
     if steady:
         lines += _steady(a, steady)
     return "\n".join(lines + [END])

@@ -28,7 +28,7 @@ fn main() -> ExitCode {
     }
     init_tracing(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(cli.worker_threads)
         .enable_all()
         .build()
     {

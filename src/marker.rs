@@ -30,12 +30,15 @@ const MAX_PENDING_IDS: usize = 1_000_000;
 const SHORT: Duration = Duration::from_millis(100);
 const BURST_IDS: usize = 5_000;
 /// In a burst, marking waits until the stream has been quiet this long, so the burst is
-/// delivered before its UPDATE WAL competes with the walsender...
+/// delivered before its UPDATEs compete with the walsender for the CPU (on the benchmark
+/// machine an UPDATE costs the backend about as much CPU per row as decoding the insert costs
+/// the walsender; docs/benchmarks.md)...
 const QUIET: Duration = Duration::from_millis(100);
-/// ...but never longer than this (well inside any sensible OUTBOX_RECOVERY_GRACE)...
-const MAX_WAIT: Duration = Duration::from_secs(2);
-/// ...or than this many ids.
-const FLUSH_IDS: usize = 100_000;
+/// ...but never longer than this (and a quarter of OUTBOX_RECOVERY_GRACE: rows not yet marked
+/// when the grace ends would be sent again by the recovery poller)...
+pub const MAX_WAIT: Duration = Duration::from_secs(5);
+/// ...or than this many ids (2 MB).
+const FLUSH_IDS: usize = 250_000;
 /// Ids an UPDATE did not find are retried after this, this many times.
 const MISS_DELAY: Duration = Duration::from_millis(200);
 const MISS_TRIES: u8 = 3;
@@ -76,16 +79,21 @@ pub struct Marker {
     pool: deadpool_postgres::Pool,
     store: Store,
     metrics: Arc<Metrics>,
+    /// How long a burst may wait to be marked.
+    max_wait: Duration,
     /// Ids an UPDATE missed: (id, tries left), retried at `retry_at`.
     missed: Vec<(i64, u8)>,
     retry_at: Option<Instant>,
 }
 
 impl Marker {
+    /// `recovery_grace`: the recovery poller's, when it runs; a burst waits at most a quarter
+    /// of it (and at most [`MAX_WAIT`]) to be marked.
     pub fn new(
         pool: deadpool_postgres::Pool,
         store: Store,
         metrics: Arc<Metrics>,
+        recovery_grace: Option<Duration>,
     ) -> (Self, MarkerHandle) {
         let shared = Arc::new(Shared {
             ids: Mutex::new(Vec::new()),
@@ -100,6 +108,7 @@ impl Marker {
             pool,
             store,
             metrics,
+            max_wait: recovery_grace.map_or(MAX_WAIT, |g| (g / 4).min(MAX_WAIT)),
             missed: Vec::new(),
             retry_at: None,
         };
@@ -124,15 +133,20 @@ impl Marker {
                     self.shared.ids.lock().expect("marker lock").extend(again);
                 }
             }
-            loop {
-                let ids = self.take(MAX_IDS_PER_UPDATE);
+            // What is due now, not what arrives meanwhile: ids the stream queues during these
+            // UPDATEs wait for the next quiet moment (a backlog keeps the stream busy).
+            let mut due = self.shared.ids.lock().expect("marker lock").len();
+            while due > 0 {
+                let ids = self.take(due.min(MAX_IDS_PER_UPDATE));
                 if ids.is_empty() {
                     break;
                 }
+                due = due.saturating_sub(ids.len());
                 match self.flush(&ids, true).await {
                     Ok(()) => backoff.reset(),
                     Err(e) => {
                         tracing::warn!(error = %crate::replication::stream::error_chain(&e), rows = ids.len(), "marking rows published failed; retrying");
+                        due += ids.len();
                         self.shared.ids.lock().expect("marker lock").extend(ids);
                         tokio::select! {
                             _ = tokio::time::sleep(backoff.next_delay()) => {}
@@ -153,7 +167,7 @@ impl Marker {
             let pending = self.shared.ids.lock().expect("marker lock").len();
             let waited = started.elapsed();
             if pending >= FLUSH_IDS
-                || waited >= MAX_WAIT
+                || waited >= self.max_wait
                 || (waited >= SHORT && pending < BURST_IDS)
             {
                 return;

@@ -181,7 +181,12 @@ pub async fn run(
         }
         Mode::Stream => {
             let marker = args.mark_published.then(|| {
-                let (marker, handle) = Marker::new(pool.clone(), store.clone(), metrics.clone());
+                let (marker, handle) = Marker::new(
+                    pool.clone(),
+                    store.clone(),
+                    metrics.clone(),
+                    args.recovery.then_some(args.recovery_grace),
+                );
                 set.spawn(marker.run(background.clone()));
                 handle
             });

@@ -300,7 +300,24 @@ struct Session<'a, S: Sink> {
     txn_lsn: Lsn,
     /// The current transaction's commit time, unix microseconds.
     txn_commit_micros: i64,
+    /// When the server sent the last change, unix microseconds (the server's clock, like the
+    /// commit time, so their difference is the stream's lag without any clock skew).
+    sent_micros: i64,
+    /// When the first row of `open` arrived.
+    open_since: Option<Instant>,
+    /// `open` waits until then for more rows (see [`LINGER`]).
+    linger_at: Option<Instant>,
 }
+
+/// A stream that is this far behind its commits (server send time minus commit time) is
+/// draining a backlog...
+const BEHIND_MICROS: i64 = 50_000;
+/// ...so its batches wait until their first row is this old, or full, rather than leaving as
+/// soon as nothing more is readable. Behind, the stream often reads faster than the walsender
+/// decodes, and sending each short read as its own write costs the relay and Valkey more CPU per
+/// event (CPU that, on a shared host, the walsender then lacks). Caught up, nothing waits: a
+/// batch leaves as soon as nothing more is readable.
+const LINGER: Duration = Duration::from_millis(2);
 
 impl<'a, S: Sink> Session<'a, S> {
     fn new(stream: &'a Stream<S>, start: Lsn) -> Self {
@@ -318,7 +335,15 @@ impl<'a, S: Sink> Session<'a, S> {
             scratch: Vec::with_capacity(4096),
             txn_lsn: Lsn::ZERO,
             txn_commit_micros: 0,
+            sent_micros: 0,
+            open_since: None,
+            linger_at: None,
         }
+    }
+
+    /// Whether the stream is draining a backlog.
+    fn behind(&self) -> bool {
+        self.sent_micros - self.txn_commit_micros > BEHIND_MICROS
     }
 
     fn open_full(&self) -> bool {
@@ -344,7 +369,13 @@ impl<'a, S: Sink> Session<'a, S> {
                 // Nothing to read right now: send what is open, unless a write is already under
                 // way. Rows then gather while it travels (group commit), so a steady stream
                 // makes few, full writes instead of many tiny ones; a full batch goes at once.
-                _ = std::future::ready(()), if !self.open.is_empty() && !self.writer.busy() => {
+                _ = std::future::ready(()), if !self.open.is_empty() && !self.writer.busy() && self.linger_at.is_none() => {
+                    match self.open_since {
+                        Some(since) if self.behind() => self.linger_at = Some(since + LINGER),
+                        _ => self.dispatch(),
+                    }
+                }
+                _ = sleep_until_opt(self.linger_at), if self.linger_at.is_some() && !self.writer.busy() => {
                     self.dispatch();
                 }
             }
@@ -352,6 +383,8 @@ impl<'a, S: Sink> Session<'a, S> {
     }
 
     fn dispatch(&mut self) {
+        self.open_since = None;
+        self.linger_at = None;
         let seq = self.ack.seal();
         let batch = std::mem::take(&mut self.open);
         self.writer.send(seq, batch);
@@ -415,7 +448,14 @@ impl<'a, S: Sink> Session<'a, S> {
                 self.txn_commit_micros = commit_time_micros + PG_EPOCH_UNIX_MICROS;
                 self.ack.begin();
             }
-            ReplicationEvent::XLogData { data, .. } => self.on_data(&data)?,
+            ReplicationEvent::XLogData {
+                data,
+                server_time_micros,
+                ..
+            } => {
+                self.sent_micros = server_time_micros + PG_EPOCH_UNIX_MICROS;
+                self.on_data(&data)?
+            }
             ReplicationEvent::Commit { end_lsn, .. } => {
                 self.ack.commit(end_lsn);
                 self.report(client);
@@ -476,6 +516,9 @@ impl<'a, S: Sink> Session<'a, S> {
             row_text(row).and_then(|text| self.stream.tasks.build(&text, &mut self.scratch));
         match built {
             Ok(task) => {
+                if self.open.is_empty() {
+                    self.open_since = Some(Instant::now());
+                }
                 self.open.push_committed(task, self.txn_commit_micros);
                 self.ack.row();
             }
@@ -582,5 +625,12 @@ mod tests {
         );
         assert!(!tls("server does not support TLS (SSLRequest rejected)").is_retryable());
         assert!(!tls("TLS config error: failed to open CA PEM '/x': No such file").is_retryable());
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }

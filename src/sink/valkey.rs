@@ -18,25 +18,33 @@ use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The batched form of asynq's enqueue script. KEYS = task hashes..., pending list (last);
-/// ARGV = now in ns, then (msg, id) per task. Returns one 0/1 per task.
+/// ARGV = now in ns, then (msg, id) per task. Returns one 0/1 per task. The new ids go onto the
+/// pending list in one LPUSH, which leaves them in the order one LPUSH per task would (each value
+/// is pushed onto the head in turn); the script runs atomically, so no reader sees the hashes
+/// without their ids.
 pub const ENQUEUE_SCRIPT: &str = r#"
 local n = #KEYS - 1
 local pending = KEYS[#KEYS]
 local now = ARGV[1]
 local out = {}
+local ids = {}
 for i = 1, n do
   if redis.call("EXISTS", KEYS[i]) == 1 then
     out[i] = 0
   else
     redis.call("HSET", KEYS[i], "msg", ARGV[2 * i], "state", "pending", "pending_since", now)
-    redis.call("LPUSH", pending, ARGV[2 * i + 1])
+    ids[#ids + 1] = ARGV[2 * i + 1]
     out[i] = 1
   end
+end
+if #ids > 0 then
+  redis.call("LPUSH", pending, unpack(ids))
 end
 return out
 "#;
 
-/// Tasks per script call: bounds the time one script holds the server.
+/// Tasks per script call: bounds the time one script holds the server, and the values of the
+/// script's one LPUSH (Lua's `unpack` takes a few thousand at most).
 const TASKS_PER_SCRIPT: usize = 200;
 
 /// `asynq:{<q>}:t:<id>`
