@@ -740,3 +740,106 @@ async fn valkey_tls_with_a_ca_and_a_client_certificate() {
         );
     }
 }
+
+/// The replication connection alone, as the relay configures it for `url` (pgwire-replication):
+/// `IDENTIFY_SYSTEM` on it, or the error on one line.
+async fn replication_probe(url: &str) -> Result<(), String> {
+    let target = outbox_relay::postgres::PgTarget::parse(url).map_err(|e| error_chain(&e))?;
+    let cfg = target.replication("probe", "outbox_relay");
+    let mut client = pgwire_replication::ReplicationClient::connect_gated(cfg)
+        .await
+        .map_err(|e| error_chain(&e))?;
+    client
+        .identify_system()
+        .await
+        .map(drop)
+        .map_err(|e| error_chain(&e))
+}
+
+/// An SQL connection alone, as the relay makes it for `url`, or the error on one line.
+async fn sql_probe(url: &str) -> Result<(), String> {
+    let target = outbox_relay::postgres::PgTarget::parse(url).map_err(|e| error_chain(&e))?;
+    let client = target.connect().await.map_err(|e| error_chain(&e))?;
+    client
+        .simple_query("SELECT 1")
+        .await
+        .map(drop)
+        .map_err(|e| error_chain(&e))
+}
+
+/// verify-ca checks the chain and not the host name, on the SQL connections and on the
+/// replication connection alike. The server's certificate chains to the CA but names another
+/// host (`db.invalid`): verify-ca connects on both paths, over TLS, and the relay delivers;
+/// verify-full is refused on both (so the certificate really does not name the host). A
+/// certificate from another CA is refused on both under verify-ca, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_verify_ca_ignores_the_host_name_on_both_connections() {
+    let certs = Certs::new();
+    certs.signed(
+        "elsewhere",
+        "/CN=db.invalid",
+        "subjectAltName=DNS:db.invalid\nextendedKeyUsage=serverAuth\n",
+    );
+    certs.pg_key("elsewhere");
+    let pg = OwnPg::start(&[
+        "-c",
+        "ssl=on",
+        "-c",
+        &format!("ssl_cert_file={}", certs.p("elsewhere.crt")),
+        "-c",
+        &format!("ssl_key_file={}", certs.p("pg-elsewhere.key")),
+    ]);
+    pg.set_hba(
+        "local all all trust\n\
+         host all postgres 127.0.0.1/32 trust\n\
+         hostssl all all 127.0.0.1/32 scram-sha-256\n",
+    )
+    .await;
+    let db = TestDb::on(&pg.url, "verifyca", true).await;
+    let role = role_with_password(&db, "tls-pw").await;
+    let with = |params: String| TestDb {
+        url: format!("{}?{params}", role.url),
+        name: role.name.clone(),
+        slot: role.slot.clone(),
+    };
+    let ca = certs.p("ca.crt");
+
+    let verify_ca = with(format!("sslmode=verify-ca&sslrootcert={ca}"));
+    assert_eq!(sql_probe(&verify_ca.url).await, Ok(()), "verify-ca, SQL");
+    assert_eq!(
+        replication_probe(&verify_ca.url).await,
+        Ok(()),
+        "verify-ca, replication"
+    );
+    assert!(
+        delivers(&db, &verify_ca, &[]).await,
+        "verify-ca: the walsender's connection is encrypted"
+    );
+
+    let verify_full = with(format!("sslmode=verify-full&sslrootcert={ca}"));
+    for (path, result) in [
+        ("SQL", sql_probe(&verify_full.url).await),
+        ("replication", replication_probe(&verify_full.url).await),
+    ] {
+        let err = result.expect_err(path);
+        assert!(
+            err.contains("certificate not valid for name"),
+            "verify-full, {path}: {err}"
+        );
+    }
+
+    let other_ca = with(format!(
+        "sslmode=verify-ca&sslrootcert={}",
+        certs.p("other-ca.crt")
+    ));
+    let err = sql_probe(&other_ca.url).await.unwrap_err();
+    assert!(
+        err.contains("cannot connect to PostgreSQL") && err.contains("UnknownIssuer"),
+        "another CA, SQL: {err}"
+    );
+    let err = replication_probe(&other_ca.url).await.unwrap_err();
+    assert!(
+        err.contains("TLS handshake failed") && err.contains("UnknownIssuer"),
+        "another CA, replication: {err}"
+    );
+}

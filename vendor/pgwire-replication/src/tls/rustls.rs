@@ -449,10 +449,12 @@ impl rustls::client::danger::ServerCertVerifier for VerifyChainOnly {
             .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
         {
             Ok(ok) => Ok(ok),
-            // VerifyCa: ignore hostname mismatch but enforce chain validation
-            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForName)) => {
-                Ok(rustls::client::danger::ServerCertVerified::assertion())
-            }
+            // VerifyCa: ignore hostname mismatch but enforce chain validation. rustls 0.23
+            // reports a mismatch as `NotValidForNameContext`; `NotValidForName` is the older form.
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForName
+                | rustls::CertificateError::NotValidForNameContext { .. },
+            )) => Ok(rustls::client::danger::ServerCertVerified::assertion()),
             Err(e) => Err(e),
         }
     }
