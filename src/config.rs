@@ -264,27 +264,9 @@ impl ValkeyArgs {
         }
         let setting = self.url_setting();
         crate::tls::install_default_provider();
-        let target =
-            crate::valkey::ValkeyTarget::new(&self.url(), &self.topology(), self.valkey_timeout)
-                .map_err(|reason| ConfigError::Invalid { setting, reason })?;
-        match (target, self.tls_certificates()?) {
-            (target, None) => Ok(target),
-            (crate::valkey::ValkeyTarget::Single { client, timeout }, Some(certs)) => {
-                let client =
-                    redis::Client::build_with_tls(client.get_connection_info().clone(), certs)
-                        .map_err(|e| ConfigError::Invalid {
-                            setting,
-                            reason: e.to_string(),
-                        })?;
-                Ok(crate::valkey::ValkeyTarget::Single { client, timeout })
-            }
-            (_, Some(_)) => Err(ConfigError::Invalid {
-                setting: "OUTBOX_VALKEY_CA_FILE",
-                reason: "CA and client certificate files are not supported with a cluster or \
-                         sentinels yet (rediss:// with publicly trusted certificates is)"
-                    .into(),
-            }),
-        }
+        let certs = self.tls_certificates()?;
+        crate::valkey::ValkeyTarget::new(&self.url(), &self.topology(), self.valkey_timeout, certs)
+            .map_err(|reason| ConfigError::Invalid { setting, reason })
     }
 
     /// OUTBOX_VALKEY_URL, or the contents of OUTBOX_VALKEY_URL_FILE.

@@ -69,6 +69,18 @@ impl Certs {
         std::fs::set_permissions(&pg_key, std::fs::Permissions::from_mode(0o600)).unwrap();
     }
 
+    /// The CA and the client certificate, for a redis client of a TLS Valkey.
+    pub fn valkey_tls(&self) -> redis::TlsCertificates {
+        let read = |name: &str| std::fs::read(self.path(name)).unwrap();
+        redis::TlsCertificates {
+            client_tls: Some(redis::ClientTlsConfig {
+                client_cert: read("client.crt"),
+                client_key: read("client.key"),
+            }),
+            root_cert: Some(read("ca.crt")),
+        }
+    }
+
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }
