@@ -193,8 +193,16 @@ pub struct ValkeyArgs {
     #[arg(long, env = "OUTBOX_VALKEY_SENTINEL_MASTER")]
     pub valkey_sentinel_master: Option<String>,
     /// Password of the sentinels themselves, when they require one.
-    #[arg(long, env = "OUTBOX_VALKEY_SENTINEL_PASSWORD", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "OUTBOX_VALKEY_SENTINEL_PASSWORD",
+        hide_env_values = true,
+        conflicts_with = "valkey_sentinel_password_file"
+    )]
     pub valkey_sentinel_password: Option<String>,
+    /// A file holding the sentinels' password instead (a trailing newline is ignored).
+    #[arg(long, env = "OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", value_name = "PATH", value_parser = read_secret_file)]
+    pub valkey_sentinel_password_file: Option<SecretFile>,
     /// PEM file of the CA certificates that sign Valkey's TLS certificate (rediss:// URLs;
     /// without it, Mozilla's root certificates are trusted).
     #[arg(long, env = "OUTBOX_VALKEY_CA_FILE", value_name = "PATH")]
@@ -245,7 +253,11 @@ impl ValkeyArgs {
         match &self.valkey_sentinel_master {
             Some(master) => Topology::Sentinel {
                 master: master.clone(),
-                password: self.valkey_sentinel_password.clone(),
+                password: self.valkey_sentinel_password.clone().or_else(|| {
+                    self.valkey_sentinel_password_file
+                        .as_ref()
+                        .map(|f| f.value().to_owned())
+                }),
             },
             None if self.valkey_cluster => Topology::Cluster,
             None => Topology::Single,
@@ -804,6 +816,7 @@ mod tests {
             valkey_cluster: false,
             valkey_sentinel_master: None,
             valkey_sentinel_password: None,
+            valkey_sentinel_password_file: None,
             valkey_url_file: None,
             valkey_password_file: None,
             valkey_ca_file: None,
@@ -835,6 +848,7 @@ mod tests {
             valkey_cluster: false,
             valkey_sentinel_master: None,
             valkey_sentinel_password: None,
+            valkey_sentinel_password_file: None,
             valkey_url_file: None,
             valkey_password_file: None,
             valkey_ca_file: None,

@@ -5,6 +5,7 @@
 mod common;
 
 use common::certs::Certs;
+use common::topologies::{assert_each_delivered_once, ValkeySentinel};
 use common::*;
 use outbox_relay::replication::stream::error_chain;
 use std::path::PathBuf;
@@ -16,6 +17,8 @@ const PG_SECRET: &str = "pgSecretQx7Zr4Lw";
 const VK_SECRET: &str = "vkSecretWm4Np9Td";
 const PG_WRONG: &str = "pgWrongPw3Hs8Kb";
 const VK_WRONG: &str = "vkWrongPw6Jc2Fy";
+const SN_SECRET: &str = "snSecretKv5Rb8Yz";
+const SN_WRONG: &str = "snWrongPw4Lp7Mc";
 
 /// The binary with none of the caller's OUTBOX_*/VALKEY_* settings.
 fn relay_bin() -> std::process::Command {
@@ -172,7 +175,9 @@ fn port_of(url: &str) -> &str {
 }
 
 fn assert_no_secret(what: &str, text: &str) {
-    for secret in [PG_SECRET, VK_SECRET, PG_WRONG, VK_WRONG] {
+    for secret in [
+        PG_SECRET, VK_SECRET, PG_WRONG, VK_WRONG, SN_SECRET, SN_WRONG,
+    ] {
         assert!(
             !text.contains(secret),
             "{what} contains the secret {secret}:\n{text}"
@@ -393,6 +398,24 @@ fn secrets_from_files_are_checked_before_connecting() {
             &["VALKEY_PASSWORD", "VALKEY_PASSWORD_FILE"],
         ),
         (
+            &[
+                ("OUTBOX_DATABASE_URL_FILE", url_file),
+                ("OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", missing),
+            ],
+            &["OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", "cannot read"],
+        ),
+        (
+            &[
+                ("OUTBOX_DATABASE_URL_FILE", url_file),
+                ("OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", url_file),
+                ("OUTBOX_VALKEY_SENTINEL_PASSWORD", "x"),
+            ],
+            &[
+                "OUTBOX_VALKEY_SENTINEL_PASSWORD",
+                "OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE",
+            ],
+        ),
+        (
             &[(
                 "OUTBOX_DATABASE_URL",
                 "postgres://u:pgSecretQx7Zr4Lw@h/d?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
@@ -439,6 +462,75 @@ fn secrets_from_files_are_checked_before_connecting() {
         }
         assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
         assert_no_secret("stderr", &err);
+    }
+}
+
+/// `(key, value)` pairs borrowed from owned ones.
+fn as_refs(v: &[(String, String)]) -> Vec<(&str, &str)> {
+    v.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+}
+
+/// The sentinels' own password from a file (`OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE`): sentinels
+/// that require one (`requirepass`), the relay as a process, `status` through them; without the
+/// password, or with a wrong one, the relay cannot ask them and stops (exit code 1). Neither
+/// password appears in any of the logs or outputs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_password_from_a_file_never_appears_in_output() {
+    let files = tmp_dir("sentinel-secret");
+    let pw_file = files.join("sentinel-password");
+    std::fs::write(&pw_file, format!("{SN_SECRET}\n")).unwrap();
+    let pw_file = pw_file.to_str().unwrap();
+    let wrong_file = files.join("wrong-password");
+    std::fs::write(&wrong_file, SN_WRONG).unwrap();
+    let wrong_file = wrong_file.to_str().unwrap();
+    let sentinel = ValkeySentinel::start_with(&["--sentinel-password-file", pw_file], None);
+    let db = TestDb::new("sentinel_pw").await;
+    let env = |extra: &[(&'static str, &str)]| -> Vec<(String, String)> {
+        [
+            ("OUTBOX_DATABASE_URL", db.url.as_str()),
+            ("OUTBOX_VALKEY_URL", sentinel.urls.as_str()),
+            ("OUTBOX_VALKEY_SENTINEL_MASTER", sentinel.name.as_str()),
+            ("OUTBOX_SLOT", db.slot.as_str()),
+            ("OUTBOX_METRICS_ADDR", "127.0.0.1:0"),
+            ("OUTBOX_LOG", "debug"),
+        ]
+        .iter()
+        .chain(extra)
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+    };
+    let good = env(&[("OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", pw_file)]);
+
+    let mut relay = RunProcess::spawn(&as_refs(&good));
+    relay.wait_streaming(&db).await;
+    let mut c = db.client().await;
+    let ids = insert_events(&mut c, "sentinel.secret", 10, 5).await;
+    let mut conn = sentinel.conn(sentinel.first_primary_port()).await;
+    let expected = std::collections::HashMap::from([("default".to_owned(), ids)]);
+    assert_each_delivered_once(&mut conn, &expected).await;
+    let (code, out, err) = run_cmd(&["status", "--json"], &as_refs(&good));
+    assert_eq!(code, 0, "{err}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(status["queues"][0]["pending"], 10, "{out}");
+    let log = relay.terminate().await;
+    assert_no_secret("the relay's log", &log);
+    assert_no_secret("status", &format!("{out}\n{err}"));
+
+    for (what, extra) in [
+        ("no sentinel password", vec![]),
+        (
+            "a wrong sentinel password",
+            vec![("OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", wrong_file)],
+        ),
+    ] {
+        let mut bad = RunProcess::spawn(&as_refs(&env(&extra)));
+        assert_eq!(bad.exit_code().await, 1, "{what}: {}", bad.log_text());
+        let text = bad.log_text();
+        assert!(
+            text.contains("cannot reach Valkey at redis://"),
+            "{what}: {text}"
+        );
+        assert_no_secret(what, &text);
     }
 }
 
