@@ -935,3 +935,76 @@ async fn postgres_verify_ca_ignores_the_host_name_on_both_connections() {
         "another CA, replication: {err}"
     );
 }
+
+/// `sslmode=prefer` falls back to plain TCP when the TLS handshake fails, as libpq does, on the
+/// SQL connections and on the replication connection; `require` refuses, saying why. The server
+/// offers TLS (ssl=on: it accepts the SSLRequest) but speaks only TLS 1.0 and 1.1, which rustls
+/// does not, and pg_hba.conf allows plain `host` connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefer_falls_back_to_plain_when_the_tls_handshake_fails() {
+    let certs = Certs::new();
+    let pg = OwnPg::start(&[
+        "-c",
+        "ssl=on",
+        "-c",
+        &format!("ssl_cert_file={}", certs.p("server.crt")),
+        "-c",
+        &format!("ssl_key_file={}", certs.p("pg-server.key")),
+        "-c",
+        "ssl_min_protocol_version=TLSv1",
+        "-c",
+        "ssl_max_protocol_version=TLSv1.1",
+    ]);
+    pg.set_hba(
+        "local all all trust\n\
+         host all postgres 127.0.0.1/32 trust\n\
+         host all all 127.0.0.1/32 scram-sha-256\n",
+    )
+    .await;
+    let admin = connect(&pg.url).await;
+    for (setting, value) in [("ssl", "on"), ("ssl_max_protocol_version", "TLSv1.1")] {
+        let shown: String = admin
+            .query_one(&format!("SHOW {setting}"), &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(shown, value, "the server runs with {setting} = {value}");
+    }
+    let db = TestDb::on(&pg.url, "prefer", true).await;
+    let role = role_with_password(&db, "tls-pw").await;
+    let with = |params: &str| TestDb {
+        url: format!("{}?{params}", role.url),
+        name: role.name.clone(),
+        slot: role.slot.clone(),
+    };
+
+    // require: the handshake fails on both paths, and the relay stops saying so.
+    let require = with("sslmode=require");
+    let err = sql_probe(&require.url).await.unwrap_err();
+    assert!(err.contains("error performing TLS handshake"), "SQL: {err}");
+    let err = replication_probe(&require.url).await.unwrap_err();
+    assert!(err.contains("TLS handshake failed"), "replication: {err}");
+    let redis = Redis::start();
+    let err = Relay::start(run_args(&require, &redis.url, &[]))
+        .join()
+        .await
+        .unwrap_err();
+    let msg = error_chain(&err);
+    assert!(
+        msg.contains("cannot connect to PostgreSQL") && msg.contains("TLS handshake"),
+        "{msg}"
+    );
+
+    // prefer, named and as the default: connects without TLS, streams and delivers.
+    assert_eq!(sql_probe(&with("sslmode=prefer").url).await, Ok(()));
+    assert!(
+        !delivers(&db, &with("sslmode=prefer"), &[]).await,
+        "the walsender's connection is plain"
+    );
+    let default = TestDb {
+        url: role.url.clone(),
+        name: role.name.clone(),
+        slot: role.slot.clone(),
+    };
+    assert!(!delivers(&db, &default, &[]).await);
+}
