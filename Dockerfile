@@ -13,6 +13,8 @@ WORKDIR /src
 # Dependencies first, in their own layer: build them against a dummy crate so
 # that changing src/ does not rebuild the whole dependency tree.
 COPY Cargo.toml Cargo.lock ./
+# The vendored pgwire-replication ([patch.crates-io] in Cargo.toml).
+COPY vendor ./vendor
 RUN mkdir src \
     && echo 'fn main() {}' > src/main.rs \
     && touch src/lib.rs \

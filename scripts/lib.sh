@@ -14,6 +14,13 @@
 #   pg_bindir             print the PostgreSQL server bin dir (initdb, pg_ctl...)
 #   abs_path PATH         print PATH made absolute (need not exist)
 #   tail_log FILE [N]     print the last N (default 40) lines of FILE on stderr
+#   use_tls CERTDIR       make rcli (and redis_tls_args) use TLS with the certificates in
+#                         CERTDIR: ca.crt, server.crt/server.key, client.crt/client.key
+#   rcli PORT ARGS...     redis-cli to 127.0.0.1:PORT (with TLS after use_tls)
+#   auth_from_conf DIR    export REDISCLI_AUTH (for rcli) from DIR/redis.conf's
+#                         `requirepass`, unless it is set already
+#   redis_tls_args PORT   print, one per line, the redis-server options that make it
+#                         listen with TLS only, on PORT (after use_tls)
 #
 # Nothing here touches the system Postgres (5432) or Redis (6379).
 
@@ -181,4 +188,43 @@ stop_server_dirs() {
         rm -rf -- "$dir"
         log "removed $dir"
     fi
+}
+
+# TLS for redis-cli (rcli) and the servers (redis_tls_args); empty: plain TCP.
+TLS_DIR=""
+use_tls() {
+    local f
+    TLS_DIR=$(abs_path "$1")
+    for f in ca.crt server.crt server.key client.crt client.key; do
+        [[ -r $TLS_DIR/$f ]] || die "TLS: $TLS_DIR/$f is missing"
+    done
+}
+
+rcli() {
+    local port=$1
+    shift
+    if [[ -n $TLS_DIR ]]; then
+        redis-cli --tls --cacert "$TLS_DIR/ca.crt" --cert "$TLS_DIR/client.crt" \
+            --key "$TLS_DIR/client.key" -h 127.0.0.1 -p "$port" "$@"
+    else
+        redis-cli -h 127.0.0.1 -p "$port" "$@"
+    fi
+}
+
+# TLS only (the plain port off); clients must show a certificate of the CA, and the server's
+# own connections (replication, the cluster bus, a sentinel's links) use TLS and the client
+# certificate too.
+redis_tls_args() {
+    printf '%s\n' --port 0 --tls-port "$1" \
+        --tls-cert-file "$TLS_DIR/server.crt" --tls-key-file "$TLS_DIR/server.key" \
+        --tls-client-cert-file "$TLS_DIR/client.crt" --tls-client-key-file "$TLS_DIR/client.key" \
+        --tls-ca-cert-file "$TLS_DIR/ca.crt" --tls-auth-clients yes --tls-replication yes
+}
+
+# A server whose config file sets a password (a sentinel started with one): rcli needs it.
+auth_from_conf() {
+    local pw
+    [[ -z ${REDISCLI_AUTH:-} && -f $1/redis.conf ]] || return 0
+    pw=$(sed -n 's/^requirepass "\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$1/redis.conf" | head -n 1)
+    [[ -z $pw ]] || export REDISCLI_AUTH=$pw
 }

@@ -2,7 +2,7 @@
 # scripts/redis-start.sh — start a throwaway Redis server for tests/demos.
 #
 # Usage:
-#   scripts/redis-start.sh DIR [PORT] [-- SERVER_ARGS...]
+#   scripts/redis-start.sh DIR [PORT] [--tls CERTDIR] [-- SERVER_ARGS...]
 #
 #   DIR   directory for the server (created if missing): redis.pid,
 #         redis.log, `port` and `url` live there. If DIR/redis.conf exists,
@@ -10,6 +10,12 @@
 #         sentinel.conf, with `--sentinel` among SERVER_ARGS).
 #   PORT  TCP port on 127.0.0.1; default: the port recorded in DIR/port when
 #         restarting, else a free port from the kernel.
+#   --tls CERTDIR  listen with TLS only (no plain port), with CERTDIR's
+#         server.crt/server.key, clients needing a certificate of CERTDIR's
+#         ca.crt (`--tls-auth-clients yes`); the server's own outgoing
+#         connections (replication, the cluster bus, a sentinel's) use TLS with
+#         client.crt/client.key (`--tls-replication yes`). Recorded in DIR/tls,
+#         so a restart keeps it. The URL is then rediss://.
 #   SERVER_ARGS  more redis-server options (e.g. `--cluster-enabled yes`),
 #         after the script's own; give them again on a restart.
 #
@@ -33,9 +39,15 @@ usage() {
 DIR=$(abs_path "$1")
 shift
 PORT=""
-if [[ $# -ge 1 && $1 != -- ]]; then
+if [[ $# -ge 1 && $1 != -- && $1 != --tls ]]; then
     PORT=$1
     shift
+fi
+TLS=""
+if [[ $# -ge 1 && $1 == --tls ]]; then
+    [[ $# -ge 2 ]] || usage
+    TLS=$(abs_path "$2")
+    shift 2
 fi
 EXTRA=()
 if [[ $# -ge 1 ]]; then
@@ -53,8 +65,14 @@ command -v redis-cli >/dev/null 2>&1 || die "redis-cli not found (apt-get instal
 PIDFILE=$DIR/redis.pid
 LOGFILE=$DIR/redis.log
 
+if [[ -z $TLS && -s $DIR/tls ]]; then
+    TLS=$(cat "$DIR/tls")
+fi
+[[ -z $TLS ]] || use_tls "$TLS"
+auth_from_conf "$DIR"
+
 ping() {
-    [[ $(redis-cli -h 127.0.0.1 -p "$1" ping 2>/dev/null) == PONG ]]
+    [[ $(rcli "$1" ping 2>/dev/null) == PONG ]]
 }
 
 # Is the redis-server whose pid is in PIDFILE alive (and not a zombie)?
@@ -74,6 +92,9 @@ if [[ -s $DIR/port && -s $DIR/url ]] && pid_alive && ping "$(cat "$DIR/port")"; 
 fi
 
 mkdir -p "$DIR"
+if [[ -n $TLS ]]; then
+    echo "$TLS_DIR" >"$DIR/tls"
+fi
 
 AUTO_PORT=0
 if [[ -z $PORT ]]; then
@@ -101,7 +122,9 @@ while :; do
     log "starting redis-server on 127.0.0.1:$PORT (dir $DIR, log $LOGFILE)"
     CONF=()
     [[ -f $DIR/redis.conf ]] && CONF=("$DIR/redis.conf")
-    redis-server "${CONF[@]}" --daemonize yes --bind 127.0.0.1 --port "$PORT" \
+    LISTEN=(--port "$PORT")
+    [[ -z $TLS ]] || mapfile -t LISTEN < <(redis_tls_args "$PORT")
+    redis-server "${CONF[@]}" --daemonize yes --bind 127.0.0.1 "${LISTEN[@]}" \
         --save "" --appendonly no --dir "$DIR" \
         --pidfile "$PIDFILE" --logfile "$LOGFILE" "${EXTRA[@]}" >&2 ||
         die "redis-server failed to launch"
@@ -137,6 +160,7 @@ while :; do
 done
 
 URL="redis://127.0.0.1:$PORT"
+[[ -z $TLS ]] || URL="rediss://127.0.0.1:$PORT"
 echo "$PORT" >"$DIR/port"
 echo "$URL" >"$DIR/url"
 echo "$URL"

@@ -8,8 +8,8 @@
 #   --keep  keep DIR (log, port, url) so redis-start.sh DIR restarts on the
 #           same port; without it DIR is removed.
 #
-# Sends `SHUTDOWN NOSAVE`; falls back to SIGTERM, then SIGKILL, on the pid in
-# DIR/redis.pid. Not an error if the server is not running or DIR is missing.
+# Sends `SHUTDOWN NOSAVE` (over TLS for a server started with --tls); falls
+# back to SIGTERM, then SIGKILL, on the pid in DIR/redis.pid. Not an error if the server is not running or DIR is missing.
 set -euo pipefail
 
 # shellcheck source=scripts/lib.sh
@@ -26,6 +26,11 @@ PIDFILE=$DIR/redis.pid
 PID=$(cat "$PIDFILE" 2>/dev/null || true)
 [[ $PID =~ ^[0-9]+$ ]] || PID=""
 PORT=$(cat "$DIR/port" 2>/dev/null || true)
+auth_from_conf "$DIR"
+# A TLS-only server (redis-start.sh --tls); without its certificates the signals below stop it.
+if [[ -s $DIR/tls && -r $(cat "$DIR/tls")/client.key ]]; then
+    use_tls "$(cat "$DIR/tls")"
+fi
 
 # Alive = exists, is not a zombie (PID 1 here reaps orphans lazily), and is
 # a redis-server (guards against a recycled pid).
@@ -47,7 +52,7 @@ wait_gone() {
 if alive; then
     log "stopping redis-server pid $PID${PORT:+ on port $PORT}"
     if [[ -n $PORT ]]; then
-        redis-cli -h 127.0.0.1 -p "$PORT" shutdown nosave >/dev/null 2>&1 || true
+        rcli "$PORT" shutdown nosave >/dev/null 2>&1 || true
     fi
     if ! wait_gone 50; then
         log "SHUTDOWN did not stop it; sending SIGTERM"
@@ -59,13 +64,13 @@ if alive; then
         fi
     fi
     rm -f "$PIDFILE"
-elif [[ -n $PORT ]] && [[ $(redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null) == PONG ]]; then
+elif [[ -n $PORT ]] && [[ $(rcli "$PORT" ping 2>/dev/null) == PONG ]]; then
     # No usable pidfile, but something answers on our recorded port; only
     # shut it down if it really runs from DIR.
-    dir=$(redis-cli -h 127.0.0.1 -p "$PORT" config get dir 2>/dev/null | sed -n 2p || true)
+    dir=$(rcli "$PORT" config get dir 2>/dev/null | sed -n 2p || true)
     if [[ $dir == "$DIR" ]]; then
         log "stopping redis-server on port $PORT (no pidfile)"
-        redis-cli -h 127.0.0.1 -p "$PORT" shutdown nosave >/dev/null 2>&1 || true
+        rcli "$PORT" shutdown nosave >/dev/null 2>&1 || true
     else
         log "port $PORT answers but is not the server from $DIR; leaving it alone"
     fi

@@ -2,11 +2,15 @@
 # scripts/valkey-cluster-start.sh — start a throwaway Valkey/Redis Cluster for tests.
 #
 # Usage:
-#   scripts/valkey-cluster-start.sh DIR
+#   scripts/valkey-cluster-start.sh DIR [--tls CERTDIR]
 #
 #   DIR   directory for the cluster (created if missing). Node N (1..6) lives
 #         in DIR/nodeN, started by redis-start.sh (redis.pid, redis.log,
 #         `port`, `url`, and the cluster's nodes.conf).
+#   --tls CERTDIR  every node listens with TLS only and requires a client
+#         certificate (redis-start.sh --tls CERTDIR: ca.crt, server.crt/.key,
+#         client.crt/.key), the cluster bus and replication use TLS too
+#         (`--tls-cluster yes`), and the URLs are rediss://.
 #
 # Starts six redis-server processes on free loopback ports with
 # `--cluster-enabled yes --cluster-node-timeout 2000`, each with its cluster
@@ -28,10 +32,17 @@ usage() {
     exit 2
 }
 
-[[ $# -eq 1 ]] || usage
+[[ $# -eq 1 || ($# -eq 3 && $2 == --tls) ]] || usage
 [[ $1 != -h && $1 != --help ]] || usage
 DIR=$(abs_path "$1")
 NODES=6
+TLS_ARGS=()
+CLUSTER_TLS=()
+if [[ $# -eq 3 ]]; then
+    use_tls "$3"
+    TLS_ARGS=(--tls "$TLS_DIR")
+    CLUSTER_TLS=(--tls-cluster yes)
+fi
 
 command -v redis-cli >/dev/null 2>&1 || die "redis-cli not found (apt-get install redis-tools)"
 command -v redis-server >/dev/null 2>&1 || die "redis-server not found (apt-get install redis-server)"
@@ -44,30 +55,28 @@ fi
 mkdir -p "$DIR"
 
 cli() {
-    local port=$1
-    shift
-    redis-cli -h 127.0.0.1 -p "$port" "$@"
+    rcli "$@"
 }
 
 PORTS=()
+URLS=()
 for n in $(seq 1 "$NODES"); do
     node=$DIR/node$n
     mkdir -p "$node"
-    url=$("$SCRIPTS/redis-start.sh" "$node" -- \
-        --cluster-enabled yes --cluster-port "$(free_port)" \
+    url=$("$SCRIPTS/redis-start.sh" "$node" "${TLS_ARGS[@]}" -- \
+        --cluster-enabled yes --cluster-port "$(free_port)" "${CLUSTER_TLS[@]}" \
         --cluster-config-file "$node/nodes.conf" --cluster-node-timeout 2000)
     PORTS+=("${url##*:}")
+    URLS+=("$url")
 done
 
 ADDRS=()
-URLS=()
 for port in "${PORTS[@]}"; do
     ADDRS+=("127.0.0.1:$port")
-    URLS+=("redis://127.0.0.1:$port")
 done
 
 log "creating the cluster: ${ADDRS[*]} (log $DIR/create.log)"
-if ! redis-cli --cluster create "${ADDRS[@]}" --cluster-replicas 1 --cluster-yes \
+if ! cli "${PORTS[0]}" --cluster create "${ADDRS[@]}" --cluster-replicas 1 --cluster-yes \
     >"$DIR/create.log" 2>&1; then
     tail_log "$DIR/create.log"
     die "redis-cli --cluster create failed"

@@ -197,8 +197,16 @@ pub struct ValkeyArgs {
     #[arg(long, env = "OUTBOX_VALKEY_SENTINEL_MASTER")]
     pub valkey_sentinel_master: Option<String>,
     /// Password of the sentinels themselves, when they require one.
-    #[arg(long, env = "OUTBOX_VALKEY_SENTINEL_PASSWORD", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "OUTBOX_VALKEY_SENTINEL_PASSWORD",
+        hide_env_values = true,
+        conflicts_with = "valkey_sentinel_password_file"
+    )]
     pub valkey_sentinel_password: Option<String>,
+    /// A file holding the sentinels' password instead (a trailing newline is ignored).
+    #[arg(long, env = "OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", value_name = "PATH", value_parser = read_secret_file)]
+    pub valkey_sentinel_password_file: Option<SecretFile>,
     /// PEM file of the CA certificates that sign Valkey's TLS certificate (rediss:// URLs;
     /// without it, Mozilla's root certificates are trusted).
     #[arg(long, env = "OUTBOX_VALKEY_CA_FILE", value_name = "PATH")]
@@ -249,7 +257,11 @@ impl ValkeyArgs {
         match &self.valkey_sentinel_master {
             Some(master) => Topology::Sentinel {
                 master: master.clone(),
-                password: self.valkey_sentinel_password.clone(),
+                password: self.valkey_sentinel_password.clone().or_else(|| {
+                    self.valkey_sentinel_password_file
+                        .as_ref()
+                        .map(|f| f.value().to_owned())
+                }),
             },
             None if self.valkey_cluster => Topology::Cluster,
             None => Topology::Single,
@@ -268,27 +280,9 @@ impl ValkeyArgs {
         }
         let setting = self.url_setting();
         crate::tls::install_default_provider();
-        let target =
-            crate::valkey::ValkeyTarget::new(&self.url(), &self.topology(), self.valkey_timeout)
-                .map_err(|reason| ConfigError::Invalid { setting, reason })?;
-        match (target, self.tls_certificates()?) {
-            (target, None) => Ok(target),
-            (crate::valkey::ValkeyTarget::Single { client, timeout }, Some(certs)) => {
-                let client =
-                    redis::Client::build_with_tls(client.get_connection_info().clone(), certs)
-                        .map_err(|e| ConfigError::Invalid {
-                            setting,
-                            reason: e.to_string(),
-                        })?;
-                Ok(crate::valkey::ValkeyTarget::Single { client, timeout })
-            }
-            (_, Some(_)) => Err(ConfigError::Invalid {
-                setting: "OUTBOX_VALKEY_CA_FILE",
-                reason: "CA and client certificate files are not supported with a cluster or \
-                         sentinels yet (rediss:// with publicly trusted certificates is)"
-                    .into(),
-            }),
-        }
+        let certs = self.tls_certificates()?;
+        crate::valkey::ValkeyTarget::new(&self.url(), &self.topology(), self.valkey_timeout, certs)
+            .map_err(|reason| ConfigError::Invalid { setting, reason })
     }
 
     /// OUTBOX_VALKEY_URL, or the contents of OUTBOX_VALKEY_URL_FILE.
@@ -826,6 +820,7 @@ mod tests {
             valkey_cluster: false,
             valkey_sentinel_master: None,
             valkey_sentinel_password: None,
+            valkey_sentinel_password_file: None,
             valkey_url_file: None,
             valkey_password_file: None,
             valkey_ca_file: None,
@@ -857,6 +852,7 @@ mod tests {
             valkey_cluster: false,
             valkey_sentinel_master: None,
             valkey_sentinel_password: None,
+            valkey_sentinel_password_file: None,
             valkey_url_file: None,
             valkey_password_file: None,
             valkey_ca_file: None,

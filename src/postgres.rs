@@ -4,19 +4,30 @@
 //!
 //! TLS follows libpq's `sslmode`, `sslrootcert`, `sslcert` and `sslkey` parameters on both
 //! paths (see [`crate::tls`]); tokio-postgres does not know the last three, so they are taken
-//! out of the connection string before it parses the rest.
+//! out of the connection string before it parses the rest. Under `prefer`, as in libpq, a TLS
+//! handshake that fails is retried once without TLS (tokio-postgres alone falls back only when
+//! the server declines TLS); the replication stream does the same.
 
 use crate::tls::{PgTls, SslMode};
+use futures::TryFutureExt;
 use pgwire_replication::ReplicationConfig;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::config::Host;
-use tokio_postgres::tls::MakeTlsConnect;
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::Socket;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 /// The stream of an SQL connection (TLS or not, as negotiated).
 pub type PgStream = <MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream;
+
+/// An SQL connection and the driver the caller polls.
+type Connected = (
+    tokio_postgres::Client,
+    tokio_postgres::Connection<Socket, PgStream>,
+);
 
 /// Session settings for every connection, SQL and replication alike.
 pub const SESSION_OPTIONS: &str = "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601";
@@ -43,7 +54,9 @@ pub enum PgError {
 pub struct PgTarget {
     config: tokio_postgres::Config,
     tls: PgTls,
-    connector: MakeRustlsConnect,
+    connector: MarkedTls,
+    /// Whether a `prefer` fallback to plain TCP was logged at warn level yet (once per target).
+    fallback_logged: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for PgTarget {
@@ -93,12 +106,42 @@ impl PgTarget {
             .application_name(APPLICATION_NAME)
             .connect_timeout(Duration::from_secs(10))
             .keepalives_idle(Duration::from_secs(30));
-        let connector = MakeRustlsConnect::new(tls.client_config().map_err(PgError::InvalidUrl)?);
+        let connector = MarkedTls(MakeRustlsConnect::new(
+            tls.client_config().map_err(PgError::InvalidUrl)?,
+        ));
         Ok(Self {
             config,
             tls,
             connector,
+            fallback_logged: Arc::new(AtomicBool::new(false)),
         })
+    }
+
+    /// Connects as `sslmode` says. Under `prefer`, a TLS handshake that fails (a server whose
+    /// TLS the relay cannot speak, a certificate it cannot use) is followed by one attempt
+    /// without TLS, as libpq does; stricter modes fail.
+    async fn open(&self) -> Result<Connected, tokio_postgres::Error> {
+        match self.config.connect(self.connector.clone()).await {
+            Err(e) if self.tls.mode == SslMode::Prefer && tls_handshake_failed(&e) => {
+                self.log_fallback(&e);
+                let mut plain = self.config.clone();
+                plain.ssl_mode(tokio_postgres::config::SslMode::Disable);
+                plain.connect(self.connector.clone()).await
+            }
+            other => other,
+        }
+    }
+
+    /// Logs a `prefer` fallback: at warn level the first time, then at debug level.
+    pub fn log_fallback(&self, error: &dyn std::fmt::Display) {
+        if self.fallback_logged.swap(true, Ordering::Relaxed) {
+            tracing::debug!(target_db = %self.display(), error = %error,
+                "TLS handshake failed; sslmode=prefer: connecting without TLS");
+        } else {
+            tracing::warn!(target_db = %self.display(), error = %error,
+                "TLS handshake failed; sslmode=prefer: connecting without TLS (use sslmode=require \
+                 or stricter to refuse unencrypted connections)");
+        }
     }
 
     /// The TLS settings in effect.
@@ -139,14 +182,10 @@ impl PgTarget {
 
     /// A plain SQL connection; its driver task runs in the background until the client drops.
     pub async fn connect(&self) -> Result<tokio_postgres::Client, PgError> {
-        let (client, conn) =
-            self.config
-                .connect(self.connector.clone())
-                .await
-                .map_err(|source| PgError::Connect {
-                    target: self.display(),
-                    source,
-                })?;
+        let (client, conn) = self.open().await.map_err(|source| PgError::Connect {
+            target: self.display(),
+            source,
+        })?;
         tokio::spawn(async move {
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "postgres connection closed");
@@ -156,29 +195,18 @@ impl PgTarget {
     }
 
     /// A connection whose driver the caller polls (for LISTEN/NOTIFY).
-    pub async fn connect_raw(
-        &self,
-    ) -> Result<
-        (
-            tokio_postgres::Client,
-            tokio_postgres::Connection<Socket, PgStream>,
-        ),
-        PgError,
-    > {
-        self.config
-            .connect(self.connector.clone())
-            .await
-            .map_err(|source| PgError::Connect {
-                target: self.display(),
-                source,
-            })
+    pub async fn connect_raw(&self) -> Result<Connected, PgError> {
+        self.open().await.map_err(|source| PgError::Connect {
+            target: self.display(),
+            source,
+        })
     }
 
     /// A pool of SQL connections for the poller and periodic queries.
     pub fn pool(&self, size: usize) -> deadpool_postgres::Pool {
-        let mgr = deadpool_postgres::Manager::from_config(
+        let mgr = deadpool_postgres::Manager::from_connect(
             self.config.clone(),
-            self.connector.clone(),
+            PoolConnect(self.clone()),
             deadpool_postgres::ManagerConfig {
                 recycling_method: deadpool_postgres::RecyclingMethod::Fast,
             },
@@ -220,6 +248,72 @@ impl PgTarget {
         };
         base.with_options(SESSION_OPTIONS)
             .with_application_name(APPLICATION_NAME)
+    }
+}
+
+/// The pool's connections, made by [`PgTarget::open`] (with the `prefer` fallback).
+struct PoolConnect(PgTarget);
+
+impl deadpool_postgres::Connect for PoolConnect {
+    fn connect(
+        &self,
+        _config: &tokio_postgres::Config,
+    ) -> futures::future::BoxFuture<
+        '_,
+        Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), tokio_postgres::Error>,
+    > {
+        Box::pin(async move {
+            let (client, conn) = self.0.open().await?;
+            let driver = tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "postgres connection closed");
+                }
+            });
+            Ok((client, driver))
+        })
+    }
+}
+
+/// tokio-postgres-rustls's connector, with the errors of its TLS handshake wrapped in
+/// [`TlsHandshakeFailed`], so that they can be told from the other connection errors.
+#[derive(Clone)]
+struct MarkedTls(MakeRustlsConnect);
+
+/// A TLS handshake with PostgreSQL failed; shown as its cause.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct TlsHandshakeFailed(Box<dyn std::error::Error + Send + Sync>);
+
+/// Whether `e` is the failure of the TLS handshake itself.
+fn tls_handshake_failed(e: &tokio_postgres::Error) -> bool {
+    std::error::Error::source(e).is_some_and(|s| s.downcast_ref::<TlsHandshakeFailed>().is_some())
+}
+
+impl MakeTlsConnect<Socket> for MarkedTls {
+    type Stream = PgStream;
+    type TlsConnect = MarkedConnect<<MakeRustlsConnect as MakeTlsConnect<Socket>>::TlsConnect>;
+    type Error = <MakeRustlsConnect as MakeTlsConnect<Socket>>::Error;
+
+    fn make_tls_connect(&mut self, domain: &str) -> Result<Self::TlsConnect, Self::Error> {
+        MakeTlsConnect::<Socket>::make_tls_connect(&mut self.0, domain).map(MarkedConnect)
+    }
+}
+
+struct MarkedConnect<T>(T);
+
+fn mark<E: Into<Box<dyn std::error::Error + Send + Sync>>>(e: E) -> TlsHandshakeFailed {
+    TlsHandshakeFailed(e.into())
+}
+
+impl<T: TlsConnect<Socket>> TlsConnect<Socket> for MarkedConnect<T> {
+    type Stream = T::Stream;
+    type Error = TlsHandshakeFailed;
+    type Future = futures::future::MapErr<T::Future, fn(T::Error) -> TlsHandshakeFailed>;
+
+    fn connect(self, stream: Socket) -> Self::Future {
+        self.0
+            .connect(stream)
+            .map_err(mark::<T::Error> as fn(T::Error) -> TlsHandshakeFailed)
     }
 }
 

@@ -14,13 +14,17 @@
 //!   command, or a READONLY/MASTERDOWN reply (a primary demoted by a failover), drops that
 //!   connection; the next command asks the sentinels again for the current primary and checks
 //!   with `ROLE` that it is one.
+//!
+//! TLS: `rediss://` URLs, with the CA and client certificate files (`OUTBOX_VALKEY_CA_FILE`, ...)
+//! applied to every connection of the topology: the server, every cluster node, the sentinels and
+//! the primary they name.
 
 use redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection};
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
-use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
     Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError,
-    RedisFuture, RedisResult, ServerErrorKind, Value,
+    RedisFuture, RedisResult, ServerErrorKind, TlsCertificates, TlsMode, Value,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -74,10 +78,26 @@ pub fn split_urls(urls: &str) -> Vec<&str> {
         .collect()
 }
 
+/// The TLS mode of a `rediss://` address (`None` for plain TCP and sockets).
+fn tls_mode(addr: &ConnectionAddr) -> Option<TlsMode> {
+    match addr {
+        ConnectionAddr::TcpTls { insecure: true, .. } => Some(TlsMode::Insecure),
+        ConnectionAddr::TcpTls { .. } => Some(TlsMode::Secure),
+        _ => None,
+    }
+}
+
 impl ValkeyTarget {
-    /// Checks the URL list against the topology and builds the client (no I/O). The error
-    /// says what is wrong, without repeating the URLs (they may hold a password).
-    pub fn new(urls: &str, topology: &Topology, timeout: Duration) -> Result<Self, String> {
+    /// Checks the URL list against the topology and builds the client (no I/O). `certs` (the CA
+    /// and client certificate files' contents) apply to every connection: the server, each
+    /// cluster node, the sentinels and the primary they name; they need `rediss://` URLs. The
+    /// error says what is wrong, without repeating the URLs (they may hold a password).
+    pub fn new(
+        urls: &str,
+        topology: &Topology,
+        timeout: Duration,
+        certs: Option<TlsCertificates>,
+    ) -> Result<Self, String> {
         let list = split_urls(urls);
         if list.is_empty() {
             return Err("no URL given".into());
@@ -87,6 +107,12 @@ impl ValkeyTarget {
             .map(|u| u.into_connection_info())
             .collect::<RedisResult<Vec<ConnectionInfo>>>()
             .map_err(|e| e.to_string())?;
+        if certs.is_some() && !infos.iter().all(|i| tls_mode(i.addr()).is_some()) {
+            return Err(
+                "CA and client certificate files need rediss:// (or valkeys://) URLs, every one"
+                    .into(),
+            );
+        }
         match topology {
             Topology::Single => {
                 if infos.len() > 1 {
@@ -96,16 +122,28 @@ impl ValkeyTarget {
                         infos.len()
                     ));
                 }
-                let client = redis::Client::open(infos[0].clone()).map_err(|e| e.to_string())?;
+                let client = match certs {
+                    Some(certs) => redis::Client::build_with_tls(infos[0].clone(), certs),
+                    None => redis::Client::open(infos[0].clone()),
+                }
+                .map_err(|e| e.to_string())?;
                 Ok(Self::Single { client, timeout })
             }
             Topology::Cluster => {
-                let client = redis::cluster::ClusterClientBuilder::new(infos)
+                let first_mode = tls_mode(infos[0].addr());
+                let mut builder = redis::cluster::ClusterClientBuilder::new(infos)
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
-                    .retries(0)
-                    .build()
-                    .map_err(|e| e.to_string())?;
+                    .retries(0);
+                if let Some(certs) = certs {
+                    // Every node the cluster names is reached with these certificates, in the
+                    // seed URLs' mode (`certs` alone would make it Secure).
+                    builder = builder.certs(certs);
+                    if let Some(mode) = first_mode {
+                        builder = builder.tls(mode);
+                    }
+                }
+                let client = builder.build().map_err(|e| e.to_string())?;
                 Ok(Self::Cluster(client))
             }
             Topology::Sentinel { master, password } => {
@@ -126,31 +164,36 @@ impl ValkeyTarget {
                             .into(),
                     );
                 }
-                let mut node = SentinelNodeConnectionInfo::default()
-                    .set_redis_connection_info(primary.clone());
-                if let ConnectionAddr::TcpTls { insecure, .. } = infos[0].addr() {
-                    node = node.set_tls_mode(if *insecure {
-                        redis::TlsMode::Insecure
-                    } else {
-                        redis::TlsMode::Secure
-                    });
-                }
+                // The primary is reached as the sentinels are: with TLS (and the same
+                // certificates) when their URLs are rediss://.
+                let primary_mode = tls_mode(infos[0].addr());
                 // The sentinels get the address only, plus their own password if any.
-                let mut sentinel_settings = redis::RedisConnectionInfo::default();
-                if let Some(p) = password.as_deref().filter(|p| !p.is_empty()) {
-                    sentinel_settings = sentinel_settings.set_password(p);
-                }
-                let sentinels: Vec<ConnectionInfo> = infos
-                    .into_iter()
-                    .map(|i| i.set_redis_settings(sentinel_settings.clone()))
-                    .collect();
-                let client = SentinelClient::build(
-                    sentinels,
-                    master.clone(),
-                    Some(node),
+                let mut builder = SentinelClientBuilder::new(
+                    infos.iter().map(|i| i.addr().clone()),
+                    master,
                     SentinelServerType::Master,
                 )
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| e.to_string())?
+                .set_client_to_redis_db(primary.db())
+                .set_client_to_redis_protocol(primary.protocol());
+                if let Some(user) = primary.username() {
+                    builder = builder.set_client_to_redis_username(user);
+                }
+                if let Some(p) = primary.password() {
+                    builder = builder.set_client_to_redis_password(p);
+                }
+                if let Some(p) = password.as_deref().filter(|p| !p.is_empty()) {
+                    builder = builder.set_client_to_sentinel_password(p);
+                }
+                if let Some(mode) = primary_mode {
+                    builder = builder.set_client_to_redis_tls_mode(mode);
+                }
+                if let Some(certs) = certs {
+                    builder = builder
+                        .set_client_to_sentinel_certificates(certs.clone())
+                        .set_client_to_redis_certificates(certs);
+                }
+                let client = builder.build().map_err(|e| e.to_string())?;
                 Ok(Self::Sentinel {
                     client,
                     db: primary.db(),

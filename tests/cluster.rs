@@ -4,8 +4,10 @@
 
 mod common;
 
+use common::certs::Certs;
 use common::topologies::{assert_each_delivered_once, Producer, ValkeyCluster};
 use common::*;
+use outbox_relay::replication::stream::error_chain;
 use std::collections::{HashMap, HashSet};
 
 /// Event name -> queue; the three queues' `{queue}` hash tags fall on the three primaries of a
@@ -217,4 +219,59 @@ async fn failovers_under_load_lose_no_event() {
         relay.metrics.write_errors.get()
     );
     relay.stop().await;
+}
+
+/// rediss:// to a cluster whose nodes speak TLS only and require a client certificate
+/// (`--tls-auth-clients yes`; the cluster bus and replication use TLS too): with the CA file and
+/// the client certificate the relay delivers every event to its queue's shard, once. Without the
+/// CA file (Mozilla's roots) it cannot connect and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_cluster_with_a_ca_file_and_a_client_certificate() {
+    let certs = Certs::new();
+    let cluster = ValkeyCluster::start_tls(&certs);
+    assert!(cluster.urls.starts_with("rediss://"), "{}", cluster.urls);
+    let db = TestDb::new("cluster_tls").await;
+    let (ca, cert, key) = (
+        certs.p("ca.crt"),
+        certs.p("client.crt"),
+        certs.p("client.key"),
+    );
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &cluster.urls,
+        &cluster_args(&[
+            "--valkey-ca-file",
+            &ca,
+            "--valkey-client-cert-file",
+            &cert,
+            "--valkey-client-key-file",
+            &key,
+        ]),
+    ))
+    .await;
+    let mut c = db.client().await;
+    let committed = insert_mixed(&mut c, 30, 5).await;
+    let expected = by_queue(&committed);
+    let mut conn = cluster.conn().await;
+    assert_each_delivered_once(&mut conn, &expected).await;
+    relay.stop().await;
+
+    let err = Relay::start(run_args(
+        &db,
+        &cluster.urls,
+        &cluster_args(&[
+            "--valkey-client-cert-file",
+            &cert,
+            "--valkey-client-key-file",
+            &key,
+        ]),
+    ))
+    .join()
+    .await
+    .unwrap_err();
+    let msg = error_chain(&err);
+    assert!(
+        msg.contains("cannot reach Valkey at rediss://") && msg.contains("UnknownIssuer"),
+        "{msg}"
+    );
 }

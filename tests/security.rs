@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::certs::Certs;
+use common::topologies::{assert_each_delivered_once, ValkeySentinel};
 use common::*;
 use outbox_relay::replication::stream::error_chain;
 use std::path::PathBuf;
@@ -15,6 +17,8 @@ const PG_SECRET: &str = "pgSecretQx7Zr4Lw";
 const VK_SECRET: &str = "vkSecretWm4Np9Td";
 const PG_WRONG: &str = "pgWrongPw3Hs8Kb";
 const VK_WRONG: &str = "vkWrongPw6Jc2Fy";
+const SN_SECRET: &str = "snSecretKv5Rb8Yz";
+const SN_WRONG: &str = "snWrongPw4Lp7Mc";
 
 /// The binary with none of the caller's OUTBOX_*/VALKEY_* settings.
 fn relay_bin() -> std::process::Command {
@@ -171,7 +175,9 @@ fn port_of(url: &str) -> &str {
 }
 
 fn assert_no_secret(what: &str, text: &str) {
-    for secret in [PG_SECRET, VK_SECRET, PG_WRONG, VK_WRONG] {
+    for secret in [
+        PG_SECRET, VK_SECRET, PG_WRONG, VK_WRONG, SN_SECRET, SN_WRONG,
+    ] {
         assert!(
             !text.contains(secret),
             "{what} contains the secret {secret}:\n{text}"
@@ -392,6 +398,24 @@ fn secrets_from_files_are_checked_before_connecting() {
             &["VALKEY_PASSWORD", "VALKEY_PASSWORD_FILE"],
         ),
         (
+            &[
+                ("OUTBOX_DATABASE_URL_FILE", url_file),
+                ("OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", missing),
+            ],
+            &["OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", "cannot read"],
+        ),
+        (
+            &[
+                ("OUTBOX_DATABASE_URL_FILE", url_file),
+                ("OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", url_file),
+                ("OUTBOX_VALKEY_SENTINEL_PASSWORD", "x"),
+            ],
+            &[
+                "OUTBOX_VALKEY_SENTINEL_PASSWORD",
+                "OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE",
+            ],
+        ),
+        (
             &[(
                 "OUTBOX_DATABASE_URL",
                 "postgres://u:pgSecretQx7Zr4Lw@h/d?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
@@ -438,6 +462,75 @@ fn secrets_from_files_are_checked_before_connecting() {
         }
         assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
         assert_no_secret("stderr", &err);
+    }
+}
+
+/// `(key, value)` pairs borrowed from owned ones.
+fn as_refs(v: &[(String, String)]) -> Vec<(&str, &str)> {
+    v.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+}
+
+/// The sentinels' own password from a file (`OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE`): sentinels
+/// that require one (`requirepass`), the relay as a process, `status` through them; without the
+/// password, or with a wrong one, the relay cannot ask them and stops (exit code 1). Neither
+/// password appears in any of the logs or outputs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_password_from_a_file_never_appears_in_output() {
+    let files = tmp_dir("sentinel-secret");
+    let pw_file = files.join("sentinel-password");
+    std::fs::write(&pw_file, format!("{SN_SECRET}\n")).unwrap();
+    let pw_file = pw_file.to_str().unwrap();
+    let wrong_file = files.join("wrong-password");
+    std::fs::write(&wrong_file, SN_WRONG).unwrap();
+    let wrong_file = wrong_file.to_str().unwrap();
+    let sentinel = ValkeySentinel::start_with(&["--sentinel-password-file", pw_file], None);
+    let db = TestDb::new("sentinel_pw").await;
+    let env = |extra: &[(&'static str, &str)]| -> Vec<(String, String)> {
+        [
+            ("OUTBOX_DATABASE_URL", db.url.as_str()),
+            ("OUTBOX_VALKEY_URL", sentinel.urls.as_str()),
+            ("OUTBOX_VALKEY_SENTINEL_MASTER", sentinel.name.as_str()),
+            ("OUTBOX_SLOT", db.slot.as_str()),
+            ("OUTBOX_METRICS_ADDR", "127.0.0.1:0"),
+            ("OUTBOX_LOG", "debug"),
+        ]
+        .iter()
+        .chain(extra)
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+    };
+    let good = env(&[("OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", pw_file)]);
+
+    let mut relay = RunProcess::spawn(&as_refs(&good));
+    relay.wait_streaming(&db).await;
+    let mut c = db.client().await;
+    let ids = insert_events(&mut c, "sentinel.secret", 10, 5).await;
+    let mut conn = sentinel.conn(sentinel.first_primary_port()).await;
+    let expected = std::collections::HashMap::from([("default".to_owned(), ids)]);
+    assert_each_delivered_once(&mut conn, &expected).await;
+    let (code, out, err) = run_cmd(&["status", "--json"], &as_refs(&good));
+    assert_eq!(code, 0, "{err}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(status["queues"][0]["pending"], 10, "{out}");
+    let log = relay.terminate().await;
+    assert_no_secret("the relay's log", &log);
+    assert_no_secret("status", &format!("{out}\n{err}"));
+
+    for (what, extra) in [
+        ("no sentinel password", vec![]),
+        (
+            "a wrong sentinel password",
+            vec![("OUTBOX_VALKEY_SENTINEL_PASSWORD_FILE", wrong_file)],
+        ),
+    ] {
+        let mut bad = RunProcess::spawn(&as_refs(&env(&extra)));
+        assert_eq!(bad.exit_code().await, 1, "{what}: {}", bad.log_text());
+        let text = bad.log_text();
+        assert!(
+            text.contains("cannot reach Valkey at redis://"),
+            "{what}: {text}"
+        );
+        assert_no_secret(what, &text);
     }
 }
 
@@ -520,151 +613,6 @@ async fn scram_role_and_a_valkey_acl_user_limited_to_the_relays_commands() {
         .unwrap_err();
     let msg = error_chain(&err);
     assert!(msg.contains("password authentication failed"), "{msg}");
-}
-
-/// Certificates made for one test: a CA, a server certificate for localhost and 127.0.0.1, a
-/// client certificate (CN `certuser`), and a second CA that signed none of them.
-struct Certs {
-    dir: PathBuf,
-}
-
-impl Certs {
-    fn new() -> Self {
-        let dir = tmp_dir("certs");
-        let certs = Self { dir };
-        certs.key("ca");
-        certs.openssl(&[
-            "req",
-            "-x509",
-            "-new",
-            "-key",
-            "ca.key",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=outbox-relay test CA",
-            "-out",
-            "ca.crt",
-        ]);
-        certs.key("other-ca");
-        certs.openssl(&[
-            "req",
-            "-x509",
-            "-new",
-            "-key",
-            "other-ca.key",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=another CA",
-            "-out",
-            "other-ca.crt",
-        ]);
-        certs.signed(
-            "server",
-            "/CN=localhost",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
-        );
-        certs.signed("client", "/CN=certuser", "extendedKeyUsage=clientAuth\n");
-        // PostgreSQL wants its key owned by the server's user and private.
-        std::fs::copy(certs.path("server.key"), certs.path("pg-server.key")).unwrap();
-        if nix_is_root() {
-            let ok = std::process::Command::new("chown")
-                .args([
-                    "postgres:postgres",
-                    certs.path("pg-server.key").to_str().unwrap(),
-                ])
-                .status()
-                .unwrap();
-            assert!(ok.success());
-        }
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(
-            certs.path("pg-server.key"),
-            std::fs::Permissions::from_mode(0o600),
-        )
-        .unwrap();
-        certs
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-
-    fn p(&self, name: &str) -> String {
-        self.path(name).to_str().unwrap().to_owned()
-    }
-
-    fn openssl(&self, args: &[&str]) {
-        let out = std::process::Command::new("openssl")
-            .args(args)
-            .current_dir(&self.dir)
-            .output()
-            .expect("the openssl command (apt-get install openssl)");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-
-    fn key(&self, name: &str) {
-        self.openssl(&[
-            "genpkey",
-            "-algorithm",
-            "EC",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-out",
-            &format!("{name}.key"),
-        ]);
-    }
-
-    /// A key and a certificate signed by the CA, with `extensions` (openssl extfile lines).
-    fn signed(&self, name: &str, subject: &str, extensions: &str) {
-        self.key(name);
-        self.openssl(&[
-            "req",
-            "-new",
-            "-key",
-            &format!("{name}.key"),
-            "-subj",
-            subject,
-            "-out",
-            &format!("{name}.csr"),
-        ]);
-        let ext = format!("{name}.ext");
-        std::fs::write(
-            self.path(&ext),
-            format!("basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\n{extensions}"),
-        )
-        .unwrap();
-        self.openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            &format!("{name}.csr"),
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            &ext,
-            "-out",
-            &format!("{name}.crt"),
-        ]);
-    }
-}
-
-fn nix_is_root() -> bool {
-    std::process::Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
 }
 
 /// Streams a few events through a relay with these settings; returns whether the walsender's
@@ -883,4 +831,180 @@ async fn valkey_tls_with_a_ca_and_a_client_certificate() {
             "{what}: {msg}"
         );
     }
+}
+
+/// The replication connection alone, as the relay configures it for `url` (pgwire-replication):
+/// `IDENTIFY_SYSTEM` on it, or the error on one line.
+async fn replication_probe(url: &str) -> Result<(), String> {
+    let target = outbox_relay::postgres::PgTarget::parse(url).map_err(|e| error_chain(&e))?;
+    let cfg = target.replication("probe", "outbox_relay");
+    let mut client = pgwire_replication::ReplicationClient::connect_gated(cfg)
+        .await
+        .map_err(|e| error_chain(&e))?;
+    client
+        .identify_system()
+        .await
+        .map(drop)
+        .map_err(|e| error_chain(&e))
+}
+
+/// An SQL connection alone, as the relay makes it for `url`, or the error on one line.
+async fn sql_probe(url: &str) -> Result<(), String> {
+    let target = outbox_relay::postgres::PgTarget::parse(url).map_err(|e| error_chain(&e))?;
+    let client = target.connect().await.map_err(|e| error_chain(&e))?;
+    client
+        .simple_query("SELECT 1")
+        .await
+        .map(drop)
+        .map_err(|e| error_chain(&e))
+}
+
+/// verify-ca checks the chain and not the host name, on the SQL connections and on the
+/// replication connection alike. The server's certificate chains to the CA but names another
+/// host (`db.invalid`): verify-ca connects on both paths, over TLS, and the relay delivers;
+/// verify-full is refused on both (so the certificate really does not name the host). A
+/// certificate from another CA is refused on both under verify-ca, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_verify_ca_ignores_the_host_name_on_both_connections() {
+    let certs = Certs::new();
+    certs.signed(
+        "elsewhere",
+        "/CN=db.invalid",
+        "subjectAltName=DNS:db.invalid\nextendedKeyUsage=serverAuth\n",
+    );
+    certs.pg_key("elsewhere");
+    let pg = OwnPg::start(&[
+        "-c",
+        "ssl=on",
+        "-c",
+        &format!("ssl_cert_file={}", certs.p("elsewhere.crt")),
+        "-c",
+        &format!("ssl_key_file={}", certs.p("pg-elsewhere.key")),
+    ]);
+    pg.set_hba(
+        "local all all trust\n\
+         host all postgres 127.0.0.1/32 trust\n\
+         hostssl all all 127.0.0.1/32 scram-sha-256\n",
+    )
+    .await;
+    let db = TestDb::on(&pg.url, "verifyca", true).await;
+    let role = role_with_password(&db, "tls-pw").await;
+    let with = |params: String| TestDb {
+        url: format!("{}?{params}", role.url),
+        name: role.name.clone(),
+        slot: role.slot.clone(),
+    };
+    let ca = certs.p("ca.crt");
+
+    let verify_ca = with(format!("sslmode=verify-ca&sslrootcert={ca}"));
+    assert_eq!(sql_probe(&verify_ca.url).await, Ok(()), "verify-ca, SQL");
+    assert_eq!(
+        replication_probe(&verify_ca.url).await,
+        Ok(()),
+        "verify-ca, replication"
+    );
+    assert!(
+        delivers(&db, &verify_ca, &[]).await,
+        "verify-ca: the walsender's connection is encrypted"
+    );
+
+    let verify_full = with(format!("sslmode=verify-full&sslrootcert={ca}"));
+    for (path, result) in [
+        ("SQL", sql_probe(&verify_full.url).await),
+        ("replication", replication_probe(&verify_full.url).await),
+    ] {
+        let err = result.expect_err(path);
+        assert!(
+            err.contains("certificate not valid for name"),
+            "verify-full, {path}: {err}"
+        );
+    }
+
+    let other_ca = with(format!(
+        "sslmode=verify-ca&sslrootcert={}",
+        certs.p("other-ca.crt")
+    ));
+    let err = sql_probe(&other_ca.url).await.unwrap_err();
+    assert!(
+        err.contains("cannot connect to PostgreSQL") && err.contains("UnknownIssuer"),
+        "another CA, SQL: {err}"
+    );
+    let err = replication_probe(&other_ca.url).await.unwrap_err();
+    assert!(
+        err.contains("TLS handshake failed") && err.contains("UnknownIssuer"),
+        "another CA, replication: {err}"
+    );
+}
+
+/// `sslmode=prefer` falls back to plain TCP when the TLS handshake fails, as libpq does, on the
+/// SQL connections and on the replication connection; `require` refuses, saying why. The server
+/// offers TLS (ssl=on: it accepts the SSLRequest) but speaks only TLS 1.0 and 1.1, which rustls
+/// does not, and pg_hba.conf allows plain `host` connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefer_falls_back_to_plain_when_the_tls_handshake_fails() {
+    let certs = Certs::new();
+    let pg = OwnPg::start(&[
+        "-c",
+        "ssl=on",
+        "-c",
+        &format!("ssl_cert_file={}", certs.p("server.crt")),
+        "-c",
+        &format!("ssl_key_file={}", certs.p("pg-server.key")),
+        "-c",
+        "ssl_min_protocol_version=TLSv1",
+        "-c",
+        "ssl_max_protocol_version=TLSv1.1",
+    ]);
+    pg.set_hba(
+        "local all all trust\n\
+         host all postgres 127.0.0.1/32 trust\n\
+         host all all 127.0.0.1/32 scram-sha-256\n",
+    )
+    .await;
+    let admin = connect(&pg.url).await;
+    for (setting, value) in [("ssl", "on"), ("ssl_max_protocol_version", "TLSv1.1")] {
+        let shown: String = admin
+            .query_one(&format!("SHOW {setting}"), &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(shown, value, "the server runs with {setting} = {value}");
+    }
+    let db = TestDb::on(&pg.url, "prefer", true).await;
+    let role = role_with_password(&db, "tls-pw").await;
+    let with = |params: &str| TestDb {
+        url: format!("{}?{params}", role.url),
+        name: role.name.clone(),
+        slot: role.slot.clone(),
+    };
+
+    // require: the handshake fails on both paths, and the relay stops saying so.
+    let require = with("sslmode=require");
+    let err = sql_probe(&require.url).await.unwrap_err();
+    assert!(err.contains("error performing TLS handshake"), "SQL: {err}");
+    let err = replication_probe(&require.url).await.unwrap_err();
+    assert!(err.contains("TLS handshake failed"), "replication: {err}");
+    let redis = Redis::start();
+    let err = Relay::start(run_args(&require, &redis.url, &[]))
+        .join()
+        .await
+        .unwrap_err();
+    let msg = error_chain(&err);
+    assert!(
+        msg.contains("cannot connect to PostgreSQL") && msg.contains("TLS handshake"),
+        "{msg}"
+    );
+
+    // prefer, named and as the default: connects without TLS, streams and delivers.
+    assert_eq!(sql_probe(&with("sslmode=prefer").url).await, Ok(()));
+    assert!(
+        !delivers(&db, &with("sslmode=prefer"), &[]).await,
+        "the walsender's connection is plain"
+    );
+    let default = TestDb {
+        url: role.url.clone(),
+        name: role.name.clone(),
+        slot: role.slot.clone(),
+    };
+    assert!(!delivers(&db, &default, &[]).await);
 }

@@ -4,8 +4,10 @@
 
 mod common;
 
+use common::certs::Certs;
 use common::topologies::{assert_each_delivered_once, Producer, ValkeySentinel};
 use common::*;
+use outbox_relay::replication::stream::error_chain;
 use std::collections::HashMap;
 
 /// Under continuous load the primary is SIGKILLed; the sentinels (quorum 2, down after 1 s)
@@ -90,4 +92,63 @@ async fn the_relay_follows_a_sentinel_failover_under_load() {
     assert_eq!(queues.len(), 1);
     assert_eq!(queues[0].pending, expected["default"].len() as i64);
     relay.stop().await;
+}
+
+/// rediss:// to sentinels, a primary and a replica that all speak TLS only and require a client
+/// certificate (`--tls-auth-clients yes`; replication and the sentinels' links use TLS too): with
+/// the CA file and the client certificate the relay asks the sentinels and delivers to the
+/// primary. Without the CA file (Mozilla's roots) it cannot connect and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_sentinels_with_a_ca_file_and_a_client_certificate() {
+    let certs = Certs::new();
+    let sentinel = ValkeySentinel::start_with(&[], Some(&certs));
+    assert!(sentinel.urls.starts_with("rediss://"), "{}", sentinel.urls);
+    let db = TestDb::new("sentinel_tls").await;
+    let (ca, cert, key) = (
+        certs.p("ca.crt"),
+        certs.p("client.crt"),
+        certs.p("client.key"),
+    );
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &sentinel.urls,
+        &[
+            "--valkey-sentinel-master",
+            &sentinel.name,
+            "--valkey-ca-file",
+            &ca,
+            "--valkey-client-cert-file",
+            &cert,
+            "--valkey-client-key-file",
+            &key,
+        ],
+    ))
+    .await;
+    let mut c = db.client().await;
+    let ids = insert_events(&mut c, "sentinel.tls", 20, 5).await;
+    let expected = HashMap::from([("default".to_owned(), ids)]);
+    let mut conn = sentinel.conn(sentinel.first_primary_port()).await;
+    assert_each_delivered_once(&mut conn, &expected).await;
+    relay.stop().await;
+
+    let err = Relay::start(run_args(
+        &db,
+        &sentinel.urls,
+        &[
+            "--valkey-sentinel-master",
+            &sentinel.name,
+            "--valkey-client-cert-file",
+            &cert,
+            "--valkey-client-key-file",
+            &key,
+        ],
+    ))
+    .join()
+    .await
+    .unwrap_err();
+    let msg = error_chain(&err);
+    assert!(
+        msg.contains("cannot reach Valkey at rediss://") && msg.contains("UnknownIssuer"),
+        "{msg}"
+    );
 }

@@ -24,6 +24,7 @@ use crate::pgoutput::{
 use crate::postgres::{PgError, PgTarget};
 use crate::sink::{Batch, Sink};
 use crate::task::{BadRow, RowText, TaskSettings};
+use crate::tls::SslMode;
 use pgwire_replication::{FeedbackObserver, Lsn, PgWireError, ReplicationClient, ReplicationEvent};
 use std::sync::Arc;
 use std::time::Duration;
@@ -88,6 +89,11 @@ impl StreamError {
     pub fn slot_in_use(&self) -> bool {
         matches!(self, StreamError::Replication(PgWireError::Server(msg)) if msg.contains("SQLSTATE 55006"))
     }
+}
+
+/// pgwire-replication's text for a failed TLS handshake (after the server accepted TLS).
+fn tls_handshake_failed(msg: &str) -> bool {
+    msg.starts_with("TLS handshake failed:")
 }
 
 /// pgwire-replication reports every TLS failure as text; those of the connection itself carry
@@ -266,12 +272,20 @@ impl<S: Sink> Stream<S> {
             .with_buffer_size(self.settings.buffer_events)
             // Needed for feedback_pending_since(): the final ack is confirmed sent.
             .with_feedback_observer(FeedbackObserver::new(|_| {}));
-        let mut client = ReplicationClient::connect(cfg)
-            .await
-            .map_err(StreamError::Replication)?;
-        tokio::select! {
-            _ = shutdown.cancelled() => return Ok(SessionEnd::Shutdown),
-            r = client.wait_started() => r.map_err(StreamError::Replication)?,
+        let mut client = match self.start_replication(cfg.clone(), shutdown).await {
+            Err(PgWireError::Tls(msg))
+                if self.pg.tls().mode == SslMode::Prefer && tls_handshake_failed(&msg) =>
+            {
+                // As libpq under `prefer`: once more, without TLS.
+                self.pg.log_fallback(&msg);
+                let plain = cfg.with_tls(pgwire_replication::TlsConfig::disabled());
+                self.start_replication(plain, shutdown).await
+            }
+            other => other,
+        }
+        .map_err(StreamError::Replication)?;
+        if shutdown.is_cancelled() {
+            return Ok(SessionEnd::Shutdown);
         }
         tracing::info!(slot = %self.settings.slot, lsn = %start, "replication stream started");
         *streamed = true;
@@ -282,6 +296,23 @@ impl<S: Sink> Stream<S> {
             session.finish(&mut client).await;
         }
         end
+    }
+}
+
+impl<S: Sink> Stream<S> {
+    /// Opens the replication connection and waits until the stream has started (or shutdown
+    /// fires: the client is then returned unstarted, and the caller checks `shutdown`).
+    async fn start_replication(
+        &self,
+        cfg: pgwire_replication::ReplicationConfig,
+        shutdown: &CancellationToken,
+    ) -> Result<ReplicationClient, PgWireError> {
+        let mut client = ReplicationClient::connect(cfg).await?;
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            r = client.wait_started() => r?,
+        }
+        Ok(client)
     }
 }
 

@@ -2,6 +2,7 @@
 //! (`valkey-cluster-start.sh`, `valkey-sentinel-start.sh`); failovers; a producer that commits
 //! events continuously and records what it committed.
 
+use super::certs::Certs;
 use super::{script, scripts, tmp_dir, PATIENCE};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -118,21 +119,47 @@ pub struct ValkeyCluster {
     dir: PathBuf,
     /// The six nodes' URLs, comma-separated (the relay's seed list).
     pub urls: String,
+    /// The certificates of a TLS-only cluster ([`start_tls`](Self::start_tls)).
+    tls: Option<redis::TlsCertificates>,
 }
 
 impl ValkeyCluster {
     pub fn start() -> Self {
         let dir = tmp_dir("vcluster");
         let urls = script("valkey-cluster-start.sh", &[dir.to_str().unwrap()]);
-        Self { dir, urls }
+        Self {
+            dir,
+            urls,
+            tls: None,
+        }
+    }
+
+    /// A cluster that speaks TLS only, with `certs`, and requires client certificates
+    /// (`valkey-cluster-start.sh --tls`); `urls` are rediss://. The `cli` helpers and the
+    /// failover methods do not work on it.
+    pub fn start_tls(certs: &Certs) -> Self {
+        let dir = tmp_dir("vcluster-tls");
+        let urls = script(
+            "valkey-cluster-start.sh",
+            &[dir.to_str().unwrap(), "--tls", certs.dir.to_str().unwrap()],
+        );
+        Self {
+            dir,
+            urls,
+            tls: Some(certs.valkey_tls()),
+        }
     }
 
     /// A cluster connection of the test's own (routes by key; long timeouts).
     pub async fn conn(&self) -> redis::cluster_async::ClusterConnection {
         let seeds: Vec<&str> = self.urls.split(',').collect();
-        redis::cluster::ClusterClientBuilder::new(seeds)
+        let mut builder = redis::cluster::ClusterClientBuilder::new(seeds)
             .response_timeout(Duration::from_secs(60))
-            .connection_timeout(Duration::from_secs(10))
+            .connection_timeout(Duration::from_secs(10));
+        if let Some(certs) = &self.tls {
+            builder = builder.certs(certs.clone());
+        }
+        builder
             .build()
             .unwrap()
             .get_async_connection()
@@ -261,17 +288,41 @@ pub struct ValkeySentinel {
     pub urls: String,
     /// The name the sentinels know the primary by.
     pub name: String,
+    /// The certificates of a TLS-only setup (`--tls`).
+    tls: Option<redis::TlsCertificates>,
 }
 
 impl ValkeySentinel {
     pub fn start() -> Self {
+        Self::start_with(&[], None)
+    }
+
+    /// With more `valkey-sentinel-start.sh` options (`--sentinel-password-file FILE`), and
+    /// TLS only with `certs` (`--tls`; `urls` are then rediss://). The `cli`-based methods
+    /// (`primary_port`, `kill_primary`) work only on a plain setup without a password.
+    pub fn start_with(options: &[&str], certs: Option<&Certs>) -> Self {
         let dir = tmp_dir("vsentinel");
-        let urls = script("valkey-sentinel-start.sh", &[dir.to_str().unwrap()]);
+        let mut args = vec![dir.to_str().unwrap()];
+        args.extend_from_slice(options);
+        if let Some(certs) = certs {
+            args.extend(["--tls", certs.dir.to_str().unwrap()]);
+        }
+        let urls = script("valkey-sentinel-start.sh", &args);
         let name = std::fs::read_to_string(dir.join("name"))
             .unwrap()
             .trim()
             .to_owned();
-        Self { dir, urls, name }
+        Self {
+            dir,
+            urls,
+            name,
+            tls: certs.map(Certs::valkey_tls),
+        }
+    }
+
+    /// The port of the server started as the primary (the primary until a failover).
+    pub fn first_primary_port(&self) -> u16 {
+        port_of(&self.dir.join("primary"))
     }
 
     fn sentinel_ports(&self) -> Vec<u16> {
@@ -307,12 +358,18 @@ impl ValkeySentinel {
             .unwrap()
     }
 
-    /// A connection to the server on `port`.
+    /// A connection to the server on `port` (with TLS on a TLS setup).
     pub async fn conn(&self, port: u16) -> redis::aio::MultiplexedConnection {
         let config = redis::AsyncConnectionConfig::new()
             .set_response_timeout(Some(Duration::from_secs(60)))
             .set_connection_timeout(Some(Duration::from_secs(10)));
-        redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        let client = match &self.tls {
+            Some(certs) => {
+                redis::Client::build_with_tls(format!("rediss://127.0.0.1:{port}"), certs.clone())
+            }
+            None => redis::Client::open(format!("redis://127.0.0.1:{port}")),
+        };
+        client
             .unwrap()
             .get_multiplexed_async_connection_with_config(&config)
             .await
