@@ -224,7 +224,8 @@ impl Marker {
     }
 }
 
-async fn sleep_until_opt(at: Option<Instant>) {
+/// Sleeps until `at`, or forever without one (a `select!` branch that is off).
+pub(crate) async fn sleep_until_opt(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,

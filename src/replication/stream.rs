@@ -15,7 +15,7 @@ use super::setup::{self, SetupError};
 use super::writer::{Writer, WriterEvent};
 use crate::backoff::Backoff;
 use crate::config::OnSlotLost;
-use crate::marker::MarkerHandle;
+use crate::marker::{sleep_until_opt, MarkerHandle};
 use crate::metrics::{Metrics, TargetLabel};
 use crate::monitor::HEARTBEAT_PREFIX;
 use crate::pgoutput::{
@@ -656,12 +656,5 @@ mod tests {
         );
         assert!(!tls("server does not support TLS (SSLRequest rejected)").is_retryable());
         assert!(!tls("TLS config error: failed to open CA PEM '/x': No such file").is_retryable());
-    }
-}
-
-async fn sleep_until_opt(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
