@@ -18,9 +18,14 @@ pub struct Cli {
     /// Log format.
     #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub log_format: LogFormat,
-    /// Worker threads of the async runtime. One keeps up with what one walsender decodes, and
-    /// leaves the other cores to Postgres and Valkey when they share the host (docs/benchmarks.md).
-    #[arg(long, env = "OUTBOX_WORKER_THREADS", default_value_t = 1, value_parser = parse_positive_usize, global = true)]
+    /// Worker threads of the async runtime. 0: everything runs on the main thread, with no
+    /// hand-offs between threads (docs/benchmarks.md measures why this is the default).
+    #[arg(
+        long,
+        env = "OUTBOX_WORKER_THREADS",
+        default_value_t = 0,
+        global = true
+    )]
     pub worker_threads: usize,
     #[command(subcommand)]
     pub command: Command,

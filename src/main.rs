@@ -27,11 +27,14 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     init_tracing(cli.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(cli.worker_threads)
-        .enable_all()
-        .build()
-    {
+    let mut builder = if cli.worker_threads == 0 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(cli.worker_threads);
+        b
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");

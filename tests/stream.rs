@@ -186,7 +186,8 @@ async fn valkey_down_holds_the_acknowledgement() {
     relay.stop().await;
 }
 
-/// SIGKILL mid-stream, then a restart: no event missing, no id pushed twice.
+/// SIGKILL mid-stream, then a restart (on the other kind of runtime): no event missing, no id
+/// pushed twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_mid_stream_loses_and_duplicates_nothing() {
     let db = TestDb::new("sigkill").await;
@@ -205,7 +206,14 @@ async fn sigkill_mid_stream_loses_and_duplicates_nothing() {
     .await;
     relay.signal("KILL");
     let _ = relay.child.wait().await;
-    let relay = RelayProcess::spawn_streaming(&db, &redis.url, &["--batch-size", "50"]).await;
+    // The first process runs on one thread (the default), the second on a multi-thread
+    // runtime: both runtimes deliver.
+    let relay = RelayProcess::spawn_streaming(
+        &db,
+        &redis.url,
+        &["--batch-size", "50", "--worker-threads", "2"],
+    )
+    .await;
     let ids = producer.await.unwrap();
     let pending = wait_pending(&redis, "default", ids.len()).await;
     let unique: HashSet<&String> = pending.iter().collect();
