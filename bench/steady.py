@@ -158,6 +158,10 @@ def steady_step(env: Env, url: str, relay: Relay, rate: int) -> dict:
 def phase_steady(env: Env) -> list[dict]:
     log("phase steady load")
     url = env.fresh_db("bench_steady")
+    # The backlog phases before leave gigabytes of WAL and dirty buffers behind: checkpoint them
+    # now, or the checkpointer writes them out during the first load steps.
+    with env.admin() as c:
+        c.execute("CHECKPOINT")
     relay = Relay(env, "steady", env.relay_env(url, OUTBOX_SLOT="bench_steady",
                                                OUTBOX_RECOVERY="false"),
                   "replication stream started")
