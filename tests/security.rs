@@ -607,11 +607,7 @@ async fn scram_role_and_a_valkey_acl_user_limited_to_the_relays_commands() {
         name: role.name.clone(),
         slot: role.slot.clone(),
     };
-    let err = Relay::start(run_args(&wrong, &acl_url, &[]))
-        .join()
-        .await
-        .unwrap_err();
-    let msg = error_chain(&err);
+    let msg = Relay::failure(run_args(&wrong, &acl_url, &[])).await;
     assert!(msg.contains("password authentication failed"), "{msg}");
 }
 
@@ -724,11 +720,7 @@ async fn postgres_tls_in_every_mode() {
         ..role
     };
     let redis = Redis::start();
-    let err = Relay::start(run_args(&bad, &redis.url, &[]))
-        .join()
-        .await
-        .unwrap_err();
-    let msg = error_chain(&err);
+    let msg = Relay::failure(run_args(&bad, &redis.url, &[])).await;
     assert!(
         msg.contains("cannot connect to PostgreSQL") && msg.contains("UnknownIssuer"),
         "{msg}"
@@ -739,15 +731,8 @@ async fn postgres_tls_in_every_mode() {
         name: bad.name.clone(),
         slot: bad.slot.clone(),
     };
-    let err = Relay::start(run_args(&plain, &redis.url, &[]))
-        .join()
-        .await
-        .unwrap_err();
-    assert!(
-        error_chain(&err).contains("no encryption"),
-        "{}",
-        error_chain(&err)
-    );
+    let msg = Relay::failure(run_args(&plain, &redis.url, &[])).await;
+    assert!(msg.contains("no encryption"), "{msg}");
 }
 
 /// TLS to Valkey: rediss:// with the CA file and a client certificate (the server requires
@@ -821,11 +806,7 @@ async fn valkey_tls_with_a_ca_and_a_client_certificate() {
             ],
         ),
     ] {
-        let err = Relay::start(run_args(&db, &tls_url, flags))
-            .join()
-            .await
-            .unwrap_err();
-        let msg = error_chain(&err);
+        let msg = Relay::failure(run_args(&db, &tls_url, flags)).await;
         assert!(
             msg.contains("cannot reach Valkey at rediss://"),
             "{what}: {msg}"
@@ -985,11 +966,7 @@ async fn prefer_falls_back_to_plain_when_the_tls_handshake_fails() {
     let err = replication_probe(&require.url).await.unwrap_err();
     assert!(err.contains("TLS handshake failed"), "replication: {err}");
     let redis = Redis::start();
-    let err = Relay::start(run_args(&require, &redis.url, &[]))
-        .join()
-        .await
-        .unwrap_err();
-    let msg = error_chain(&err);
+    let msg = Relay::failure(run_args(&require, &redis.url, &[])).await;
     assert!(
         msg.contains("cannot connect to PostgreSQL") && msg.contains("TLS handshake"),
         "{msg}"

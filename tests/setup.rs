@@ -89,11 +89,7 @@ async fn wal_level_replica_is_refused_with_the_fix() {
     let pg = OwnPg::start(&["-c", "wal_level=replica"]);
     let db = TestDb::on(&pg.url, "walrep", true).await;
     let redis = Redis::start();
-    let err = Relay::start(run_args(&db, &redis.url, &[]))
-        .join()
-        .await
-        .unwrap_err();
-    let msg = err.to_string();
+    let msg = Relay::failure(run_args(&db, &redis.url, &[])).await;
     assert!(msg.contains("wal_level is 'replica'"), "{msg}");
     assert!(
         msg.contains("ALTER SYSTEM SET wal_level = logical"),
@@ -120,11 +116,7 @@ async fn a_role_without_replication_is_refused_with_the_fix() {
         slot: db.slot.clone(),
     };
     let redis = Redis::start();
-    let err = Relay::start(run_args(&as_role, &redis.url, &[]))
-        .join()
-        .await
-        .unwrap_err();
-    let msg = err.to_string();
+    let msg = Relay::failure(run_args(&as_role, &redis.url, &[])).await;
     assert!(
         msg.contains(&format!("ALTER ROLE {role} REPLICATION")),
         "{msg}"
@@ -137,11 +129,7 @@ async fn unreachable_valkey_is_refused_naming_it() {
     let redis = Redis::start();
     let url = redis.url.clone();
     redis.stop();
-    let err = Relay::start(run_args(&db, &url, &[]))
-        .join()
-        .await
-        .unwrap_err();
-    let msg = err.to_string();
+    let msg = Relay::failure(run_args(&db, &url, &[])).await;
     assert!(msg.contains("cannot reach Valkey at"), "{msg}");
     assert!(msg.contains(url.trim_start_matches("redis://")), "{msg}");
 }
@@ -150,11 +138,8 @@ async fn unreachable_valkey_is_refused_naming_it() {
 async fn a_missing_table_says_to_migrate() {
     let db = TestDb::on(&shared_pg_url(), "notable", false).await;
     let redis = Redis::start();
-    let err = Relay::start(run_args(&db, &redis.url, &[]))
-        .join()
-        .await
-        .unwrap_err();
-    assert!(err.to_string().contains("outbox-relay migrate"), "{err}");
+    let msg = Relay::failure(run_args(&db, &redis.url, &[])).await;
+    assert!(msg.contains("outbox-relay migrate"), "{msg}");
 }
 
 /// The Go kit's migration, verbatim.

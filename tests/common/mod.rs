@@ -474,6 +474,16 @@ impl Relay {
     pub async fn join(self) -> Result<(), outbox_relay::relay::RelayError> {
         self.handle.await.unwrap()
     }
+
+    /// Runs a relay that must fail (at start-up, or when `args` make it stop); returns its
+    /// error with every cause.
+    pub async fn failure(args: RunArgs) -> String {
+        let err = Self::start(args)
+            .join()
+            .await
+            .expect_err("the relay should have failed");
+        outbox_relay::replication::stream::error_chain(&err)
+    }
 }
 
 /// The real binary, for signals.
