@@ -64,14 +64,16 @@ def phase_recvlogical(env: Env) -> dict:
             "cpu_s": cpu, "rss_mib": rss, "servers": servers}
 
 
-def run_relay_backlog(env: Env, name: str, url: str, ready: str, **settings: str) -> dict:
+def run_relay_backlog(env: Env, name: str, url: str, ready: str, events: int | None = None,
+                      **settings: str) -> dict:
     a = env.a
+    events = events or a.events
     env.flush_redis()
     perf = Perf(env, name)
     sampler = env.cpu_sampler()
     relay = Relay(env, name, env.relay_env(url, **settings), ready)
     try:
-        t_done = wait_pending(env, a.events, a.timeout, relay.alive)
+        t_done = wait_pending(env, events, a.timeout, relay.alive)
         servers = sampler.stop()
         perf.stop()
         cpu_end = proc_cpu_seconds(relay.p.pid)
@@ -81,7 +83,7 @@ def run_relay_backlog(env: Env, name: str, url: str, ready: str, **settings: str
         relay.stop()
     if math.isnan(relay.t_ready):
         raise RuntimeError(f"{name}: never saw {ready!r} in {relay.log_path}")
-    return {"events": a.events, "drain_s": t_done - relay.t_ready,
+    return {"events": events, "drain_s": t_done - relay.t_ready,
             "total_s": t_done - relay.t_spawn, "startup_s": relay.t_ready - relay.t_spawn,
             "cpu_s": cpu_end - relay.cpu_ready, "cpu_startup_s": relay.cpu_ready,
             "rss_mib": hwm, "servers": servers,
@@ -98,6 +100,19 @@ def phase_stream(env: Env) -> dict:
                           OUTBOX_SLOT="bench_stream", OUTBOX_RECOVERY="false")
     env.drop_db("bench_stream")
     return dict(r, phase="stream")
+
+
+def phase_huge(env: Env) -> dict:
+    """One transaction of --huge-rows rows, streamed: the relay must not hold it in memory."""
+    n = env.a.huge_rows
+    log(f"phase huge: one transaction of {n:,} rows")
+    url = env.fresh_db("bench_huge")
+    create_slot(url, "bench_huge")
+    insert_backlog(url, n, n)
+    r = run_relay_backlog(env, "huge", url, "replication stream started", events=n,
+                          OUTBOX_SLOT="bench_huge", OUTBOX_RECOVERY="false")
+    env.drop_db("bench_huge")
+    return dict(r, phase="huge")
 
 
 def phase_poller(env: Env, pollers: int) -> dict:
@@ -173,7 +188,10 @@ def main() -> int:
                     help="a load step whose p99 is higher is not kept up")
     ap.add_argument("--max-drift-ms", type=float, default=100.0,
                     help="nor one whose median latency climbs more than this through the step")
-    ap.add_argument("--phases", default="recvlogical,stream,poller1,poller4,naive,steady")
+    ap.add_argument("--phases", default="recvlogical,stream,poller1,poller4,naive,steady",
+                    help="comma-separated; `huge` (not in the default) streams one transaction"
+                         " of --huge-rows rows")
+    ap.add_argument("--huge-rows", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the backlog phases this many times, in rounds, and report each"
                          " phase's median run with the range")
@@ -211,6 +229,7 @@ def main() -> int:
         ("poller1", lambda: phase_poller(env, 1)),
         ("poller4", lambda: phase_poller(env, 4)),
         ("naive", lambda: phase_naive(env)),
+        ("huge", lambda: phase_huge(env)),
     ] if key in phases]
     # Rounds, not phase after phase: whatever drifts on the machine meanwhile touches every phase.
     runs: dict[str, list[dict]] = {}

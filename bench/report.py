@@ -20,6 +20,7 @@ BACKLOG_PHASES = {
     "poller1": "relay poller, 1 poller, batch 500",
     "poller4": "relay poller, 4 pollers, batch 500",
     "naive": "naive: 1 Valkey round trip per event, batch 100",
+    "huge": "relay stream, one transaction of all the rows",
 }
 
 
