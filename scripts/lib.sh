@@ -190,6 +190,18 @@ stop_server_dirs() {
     fi
 }
 
+# wait_for SECONDS CMD [ARG...]: runs CMD every 0.1 s until it succeeds (status 0) or SECONDS
+# have passed (status 1).
+wait_for() {
+    local tries=$(($1 * 10))
+    shift
+    for _ in $(seq 1 "$tries"); do
+        "$@" && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
 # TLS for redis-cli (rcli) and the servers (redis_tls_args); empty: plain TCP.
 TLS_DIR=""
 use_tls() {

@@ -97,15 +97,7 @@ cluster_ready() {
     done
 }
 
-ok=0
-for _ in $(seq 1 300); do # ~30 s
-    if cluster_ready; then
-        ok=1
-        break
-    fi
-    sleep 0.1
-done
-if ((!ok)); then
+if ! wait_for 30 cluster_ready; then
     for port in "${PORTS[@]}"; do
         cli "$port" cluster info >&2 || true
     done

@@ -126,15 +126,7 @@ ready() {
     done
 }
 
-ok=0
-for _ in $(seq 1 300); do # ~30 s
-    if ready; then
-        ok=1
-        break
-    fi
-    sleep 0.1
-done
-if ((!ok)); then
+if ! wait_for 30 ready; then
     for port in "${PORTS[@]}"; do
         scli "$port" sentinel master "$NAME" >&2 || true
     done

@@ -148,14 +148,7 @@ async fn scram_cluster() -> OwnPg {
 /// `db` as its least-privilege role, with `password`.
 async fn role_with_password(db: &TestDb, password: &str) -> TestDb {
     let role = db.least_privilege_role().await;
-    let name = role
-        .url
-        .split("://")
-        .nth(1)
-        .unwrap()
-        .split(':')
-        .next()
-        .unwrap();
+    let name = db.least_privilege_role_name();
     db.client()
         .await
         .batch_execute(&format!("ALTER ROLE {name} PASSWORD '{password}'"))
@@ -681,15 +674,8 @@ async fn postgres_tls_in_every_mode() {
 
     // By host name, authenticated by a client certificate instead of a password.
     let db = TestDb::on(&pg.url, "pgcert", true).await;
-    let role = db.least_privilege_role().await;
-    let lp_role = role
-        .url
-        .split("://")
-        .nth(1)
-        .unwrap()
-        .split(':')
-        .next()
-        .unwrap();
+    db.least_privilege_role().await;
+    let lp_role = db.least_privilege_role_name();
     db.client()
         .await
         .batch_execute(&format!("ALTER ROLE {lp_role} RENAME TO certuser"))

@@ -338,8 +338,13 @@ impl TestDb {
     /// A role made with exactly docs/least-privilege.sql (role, password and database names
     /// replaced), and this database as that role: the relay runs as it, while the test keeps
     /// using `self` (the owner) to insert rows and look.
+    /// The name of the role [`least_privilege_role`](Self::least_privilege_role) creates.
+    pub fn least_privilege_role_name(&self) -> String {
+        format!("lp_{}", self.name)
+    }
+
     pub async fn least_privilege_role(&self) -> TestDb {
-        let role = format!("lp_{}", self.name);
+        let role = self.least_privilege_role_name();
         let sql = std::fs::read_to_string(
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/least-privilege.sql"),
         )
