@@ -97,7 +97,7 @@ def phase_stream(env: Env) -> dict:
     create_slot(url, "bench_stream")
     insert_backlog(url, env.a.events, env.a.per_txn)
     r = run_relay_backlog(env, "stream", url, "replication stream started",
-                          OUTBOX_SLOT="bench_stream", OUTBOX_RECOVERY="false")
+                          OUTBOX_SLOT="bench_stream", OUTBOX_RECOVERY="false", OUTBOX_ON_SLOT_LOST="stop")
     env.drop_db("bench_stream")
     return dict(r, phase="stream")
 
@@ -110,7 +110,7 @@ def phase_huge(env: Env) -> dict:
     create_slot(url, "bench_huge")
     insert_backlog(url, n, n)
     r = run_relay_backlog(env, "huge", url, "replication stream started", events=n,
-                          OUTBOX_SLOT="bench_huge", OUTBOX_RECOVERY="false")
+                          OUTBOX_SLOT="bench_huge", OUTBOX_RECOVERY="false", OUTBOX_ON_SLOT_LOST="stop")
     env.drop_db("bench_huge")
     return dict(r, phase="huge")
 

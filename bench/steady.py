@@ -163,7 +163,7 @@ def phase_steady(env: Env) -> list[dict]:
     with env.admin() as c:
         c.execute("CHECKPOINT")
     relay = Relay(env, "steady", env.relay_env(url, OUTBOX_SLOT="bench_steady",
-                                               OUTBOX_RECOVERY="false"),
+                                               OUTBOX_RECOVERY="false", OUTBOX_ON_SLOT_LOST="stop"),
                   "replication stream started")
     steps: list[dict] = []
 

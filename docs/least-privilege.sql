@@ -31,3 +31,11 @@ GRANT SELECT, UPDATE (published_at, attempts, last_error, next_attempt_at, dead_
 -- Only if the relay deletes old published rows (OUTBOX_CLEANUP_OLDER_THAN, or the `cleanup`
 -- command run as this role):
 -- GRANT DELETE ON public.outbox_events TO outbox_relay;
+
+-- pg_read_all_stats: lets a standby replica see pg_stat_replication.reply_time of the
+-- walsender that holds the slot, so it can tell a live relay (its reply time changes every
+-- second) from a zombie left by a cut connection, and take the slot over after
+-- OUTBOX_TAKEOVER_AFTER. Without it the column reads NULL for this role: the replicas then never
+-- terminate a walsender (a live one would look silent) and wait for the server's
+-- wal_sender_timeout instead. It grants read access to statistics views only.
+GRANT pg_read_all_stats TO outbox_relay;

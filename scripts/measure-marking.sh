@@ -55,7 +55,7 @@ for mode in mark keep delete; do
     upd0=$(q "$url" "SELECT n_tup_upd + n_tup_del FROM pg_stat_user_tables WHERE relname = 'outbox_events'")
     calls0=$(q "$url" "SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database WHERE datname = '$db'")
     start=$(date +%s.%N)
-    OUTBOX_DATABASE_URL=$url OUTBOX_VALKEY_URL=$REDIS OUTBOX_SLOT=slot_$mode OUTBOX_RECOVERY=false OUTBOX_MARK_PUBLISHED=$([[ $mode == keep ]] && echo false || echo true) \
+    OUTBOX_DATABASE_URL=$url OUTBOX_VALKEY_URL=$REDIS OUTBOX_SLOT=slot_$mode OUTBOX_RECOVERY=false OUTBOX_ON_SLOT_LOST=stop OUTBOX_MARK_PUBLISHED=$([[ $mode == keep ]] && echo false || echo true) \
         OUTBOX_DELETE_DELIVERED=$([[ $mode == delete ]] && echo true || echo false) \
         OUTBOX_METRICS_ADDR=127.0.0.1:0 "$BIN" run >"$WORK/relay-$mode.log" 2>&1 &
     RELAY_PID=$!

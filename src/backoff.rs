@@ -1,8 +1,30 @@
 //! Capped exponential backoff with jitter: the one retry-delay helper. Callers decide what is
 //! retryable.
+//!
+//! The jitter comes from the thread's random generator, or, under the deterministic simulation,
+//! from a generator seeded by the simulation's seed ([`seed_jitter`]), so that a seed replays the
+//! same delays.
 
-use rand::Rng;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::cell::RefCell;
 use std::time::Duration;
+
+thread_local! {
+    static SEEDED: RefCell<Option<SmallRng>> = const { RefCell::new(None) };
+}
+
+/// Makes this thread's jitter deterministic (`Some(seed)`), or random again (`None`).
+pub fn seed_jitter(seed: Option<u64>) {
+    SEEDED.with(|s| *s.borrow_mut() = seed.map(SmallRng::seed_from_u64));
+}
+
+fn jitter() -> f64 {
+    SEEDED.with(|s| match s.borrow_mut().as_mut() {
+        Some(rng) => rng.random_range(0.0..0.25),
+        None => rand::rng().random_range(0.0..0.25),
+    })
+}
 
 #[derive(Debug, Clone)]
 pub struct Backoff {
@@ -25,8 +47,7 @@ impl Backoff {
     pub fn next_delay(&mut self) -> Duration {
         let step = self.current;
         self.current = (self.current * 2).min(self.max);
-        let jitter = rand::rng().random_range(0.0..0.25);
-        step.mul_f64(1.0 - jitter)
+        step.mul_f64(1.0 - jitter())
     }
 
     /// Back to the first step after a success.

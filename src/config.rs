@@ -585,6 +585,16 @@ impl RunArgs {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.db.target()?;
         self.valkey.target()?;
+        // A recreated slot starts after the events committed while it was gone: only the
+        // recovery poller can deliver those, so recreating without it would lose them.
+        if self.mode == Mode::Stream && !self.recovery && self.on_slot_lost == OnSlotLost::Recreate
+        {
+            return Err(ConfigError::Invalid {
+                setting: "OUTBOX_RECOVERY",
+                reason: "false needs OUTBOX_ON_SLOT_LOST=stop: a recreated slot skips the events                          committed while it was gone, and only the recovery poller delivers them"
+                    .into(),
+            });
+        }
         Ok(())
     }
 

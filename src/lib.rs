@@ -31,6 +31,7 @@
 pub mod admin;
 pub mod backoff;
 pub mod config;
+pub mod error_chain;
 pub mod health;
 pub mod http;
 pub mod inspect;
@@ -48,5 +49,8 @@ pub mod sink;
 pub mod status;
 pub mod store;
 pub mod task;
+pub mod timer;
 pub mod tls;
 pub mod valkey;
+
+pub use error_chain::error_chain;

@@ -4,8 +4,8 @@
 use anyhow::Context;
 use clap::Parser;
 use outbox_relay::config::{Cli, Command, DeadLettersCommand, LogFormat};
+use outbox_relay::error_chain;
 use outbox_relay::metrics::Metrics;
-use outbox_relay::replication::stream::error_chain;
 use std::process::ExitCode;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;

@@ -12,8 +12,10 @@
 //! are tried again shortly after, a few times.
 
 use crate::backoff::Backoff;
+use crate::error_chain::error_chain;
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::store::{OutboxTable, StoreError};
+use crate::timer::sleep_until_opt;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -75,10 +77,10 @@ impl MarkerHandle {
 }
 
 /// The marking task.
-pub struct Marker {
+pub struct Marker<T: OutboxTable> {
     shared: Arc<Shared>,
-    pool: deadpool_postgres::Pool,
-    store: Store,
+    /// Where rows are marked.
+    table: T,
     metrics: Arc<Metrics>,
     /// How long a burst may wait to be marked.
     max_wait: Duration,
@@ -87,12 +89,11 @@ pub struct Marker {
     retry_at: Option<Instant>,
 }
 
-impl Marker {
+impl<T: OutboxTable> Marker<T> {
     /// `recovery_grace`: the recovery poller's, when it runs; a burst waits at most a quarter
     /// of it (and at most [`MAX_WAIT`]) to be marked.
     pub fn new(
-        pool: deadpool_postgres::Pool,
-        store: Store,
+        table: T,
         metrics: Arc<Metrics>,
         recovery_grace: Option<Duration>,
     ) -> (Self, MarkerHandle) {
@@ -106,8 +107,7 @@ impl Marker {
         };
         let marker = Self {
             shared,
-            pool,
-            store,
+            table,
             metrics,
             max_wait: recovery_grace.map_or(MAX_WAIT, |g| (g / 4).min(MAX_WAIT)),
             missed: Vec::new(),
@@ -122,6 +122,7 @@ impl Marker {
         loop {
             let retry = self.retry_at;
             tokio::select! {
+                biased;
                 _ = shutdown.cancelled() => {
                     let ids = self.take(usize::MAX);
                     let _ = self.flush(&ids, false).await;
@@ -146,12 +147,13 @@ impl Marker {
                 match self.flush(&ids, true).await {
                     Ok(()) => backoff.reset(),
                     Err(e) => {
-                        tracing::warn!(error = %crate::replication::stream::error_chain(&e), rows = ids.len(), "marking rows published failed; retrying");
+                        tracing::warn!(error = %error_chain(&e), rows = ids.len(), "marking rows published failed; retrying");
                         due += ids.len();
                         self.shared.ids.lock().expect("marker lock").extend(ids);
                         tokio::select! {
-                            _ = tokio::time::sleep(backoff.next_delay()) => {}
+                            biased;
                             _ = shutdown.cancelled() => return,
+                            _ = tokio::time::sleep(backoff.next_delay()) => {}
                         }
                     }
                 }
@@ -189,12 +191,11 @@ impl Marker {
     }
 
     /// One UPDATE; ids it did not find go to the miss list (when `retry_misses`).
-    async fn flush(&mut self, ids: &[i64], retry_misses: bool) -> Result<(), MarkError> {
+    async fn flush(&mut self, ids: &[i64], retry_misses: bool) -> Result<(), StoreError> {
         if ids.is_empty() {
             return Ok(());
         }
-        let client = self.pool.get().await?;
-        let marked = self.store.mark_published_returning(&**client, ids).await?;
+        let marked = self.table.mark_published(ids).await?;
         self.metrics.marked.inc_by(marked.len() as u64);
         if !retry_misses || marked.len() == ids.len() {
             self.forget_misses(&marked);
@@ -223,20 +224,4 @@ impl Marker {
             self.missed.retain(|(id, _)| !marked.contains(id));
         }
     }
-}
-
-/// Sleeps until `at`, or forever without one (a `select!` branch that is off).
-pub(crate) async fn sleep_until_opt(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-enum MarkError {
-    #[error("cannot get a postgres connection")]
-    Pool(#[from] deadpool_postgres::PoolError),
-    #[error("update failed")]
-    Query(#[from] tokio_postgres::Error),
 }

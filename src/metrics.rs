@@ -71,6 +71,15 @@ pub struct Metrics {
     pub delivery_latency: Histogram,
     /// 1 while the heartbeat says the stream is stalled.
     pub stream_stalled: Gauge,
+    /// Batches handed to Valkey and not yet confirmed (the stream's writer).
+    pub inflight_batches: Gauge,
+    /// Task bytes in those batches.
+    pub inflight_bytes: Gauge,
+    /// Rows whose task the sink refused for good (their queue's keys, ACL...): left
+    /// unpublished for the recovery poller, which counts attempts and dead-letters them.
+    pub rows_rejected: Counter,
+    /// Broken delivery invariants: each ended a session without acknowledging (a bug).
+    pub invariant_violations: Counter,
     /// Liveness of the dependencies, for /readyz.
     pub health: crate::health::Health,
 }
@@ -100,6 +109,10 @@ impl Metrics {
             lag_bytes: Gauge::default(),
             delivery_latency: Histogram::new(exponential_buckets(0.0005, 2.0, 18)),
             stream_stalled: Gauge::default(),
+            inflight_batches: Gauge::default(),
+            inflight_bytes: Gauge::default(),
+            rows_rejected: Counter::default(),
+            invariant_violations: Counter::default(),
             health: crate::health::Health::default(),
         };
         registry.register(
@@ -211,6 +224,26 @@ impl Metrics {
             "outbox_stream_stalled",
             "1 while heartbeats are not coming back through the stream",
             m.stream_stalled.clone(),
+        );
+        registry.register(
+            "outbox_inflight_batches",
+            "Batches handed to Valkey and not yet confirmed",
+            m.inflight_batches.clone(),
+        );
+        registry.register(
+            "outbox_inflight_bytes",
+            "Task bytes in the batches not yet confirmed by Valkey",
+            m.inflight_bytes.clone(),
+        );
+        registry.register(
+            "outbox_rows_rejected",
+            "Rows whose task Valkey refused for good; left unpublished for the recovery poller",
+            m.rows_rejected.clone(),
+        );
+        registry.register(
+            "outbox_invariant_violations",
+            "Broken delivery invariants; each ended a session without acknowledging",
+            m.invariant_violations.clone(),
         );
         m
     }

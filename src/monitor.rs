@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 /// The prefix of the relay's heartbeat messages (`pg_logical_emit_message`).
-pub const HEARTBEAT_PREFIX: &str = "outbox-relay";
+pub use crate::replication::HEARTBEAT_PREFIX;
 
 /// How the monitor runs.
 #[derive(Debug, Clone)]
@@ -56,7 +56,7 @@ impl Monitor {
     async fn observe_postgres(&self) {
         let ok = self.query_postgres().await;
         if let Err(e) = &ok {
-            tracing::debug!(error = %crate::replication::stream::error_chain(e), "postgres check failed");
+            tracing::debug!(error = %crate::error_chain::error_chain(e), "postgres check failed");
         }
         self.metrics.health.set_postgres(ok.is_ok());
     }
@@ -107,7 +107,7 @@ impl Monitor {
         match emitted {
             Ok(lsn) => self.metrics.health.heartbeat_emitted(lsn.max(0) as u64),
             Err(e) => {
-                tracing::warn!(error = %crate::replication::stream::error_chain(&e), "heartbeat failed")
+                tracing::warn!(error = %crate::error_chain::error_chain(&e), "heartbeat failed")
             }
         }
     }

@@ -8,10 +8,11 @@
 //! cannot become a task records a failed attempt and becomes a dead letter at the limit.
 
 use crate::backoff::Backoff;
+use crate::error_chain::error_chain;
 use crate::metrics::Metrics;
 use crate::postgres::{PgError, PgTarget};
 use crate::sink::{Batch, Sink, SinkError};
-use crate::store::Store;
+use crate::store::{OutboxTable, OutboxTx, StoreError};
 use crate::task::TaskSettings;
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,20 +37,23 @@ pub struct PollerSettings {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PollerError {
-    #[error("cannot get a postgres connection")]
-    Pool(#[from] deadpool_postgres::PoolError),
-    #[error("postgres query failed")]
-    Query(#[from] tokio_postgres::Error),
+    #[error(transparent)]
+    Store(#[from] StoreError),
     #[error("valkey write failed")]
     Sink(#[source] SinkError),
 }
 
+/// First delay after a failed round, and the cap of the doubling delays (the Go kit's).
+const ROUND_RETRY_FIRST: Duration = Duration::from_secs(1);
+const ROUND_RETRY_MAX: Duration = Duration::from_secs(30);
+
 /// One poll loop.
-pub struct Poller<S: Sink> {
-    pub pool: deadpool_postgres::Pool,
-    pub store: Store,
+pub struct Poller<T: OutboxTable, S: Sink> {
+    /// The outbox table.
+    pub table: T,
     pub settings: PollerSettings,
     pub tasks: Arc<TaskSettings>,
+    /// Where tasks go.
     pub sink: S,
     pub metrics: Arc<Metrics>,
     /// Woken by LISTEN/NOTIFY (or anyone) to poll before the interval is up.
@@ -64,10 +68,10 @@ pub struct RoundOutcome {
     pub failed_rows: usize,
 }
 
-impl<S: Sink> Poller<S> {
+impl<T: OutboxTable, S: Sink> Poller<T, S> {
     /// Polls until `shutdown`. Errors are logged and retried; nothing here is fatal.
     pub async fn run(&self, shutdown: CancellationToken) {
-        let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
+        let mut backoff = Backoff::new(ROUND_RETRY_FIRST, ROUND_RETRY_MAX);
         loop {
             if shutdown.is_cancelled() {
                 return;
@@ -85,7 +89,7 @@ impl<S: Sink> Poller<S> {
                     let delay = backoff.next_delay();
                     self.metrics.poller_errors.inc();
                     tracing::warn!(
-                        error = %crate::replication::stream::error_chain(&e),
+                        error = %error_chain(&e),
                         retry_in_ms = delay.as_millis() as u64,
                         "poll round failed"
                     );
@@ -93,23 +97,22 @@ impl<S: Sink> Poller<S> {
                 }
             };
             tokio::select! {
+                biased;
                 _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(delay) => {}
                 _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(delay) => {}
             }
         }
     }
 
-    /// Claims a batch, enqueues it in chunks, marks what was enqueued, commits. A Valkey failure
+    /// Claims a batch, enqueues it in chunks, marks what was enqueued, commits. A task the sink
+    /// rejects for good records a failed attempt (a dead letter at the limit); a Valkey failure
     /// after some chunks still commits the marks of the chunks before it, then reports the error.
     pub async fn round(&self) -> Result<RoundOutcome, PollerError> {
-        let started = std::time::Instant::now();
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let rows = self
-            .store
-            .claim(&*tx, self.settings.batch_size, self.settings.recovery_grace)
-            .await?;
+        let started = tokio::time::Instant::now();
+        let s = &self.settings;
+        let mut tx = self.table.begin().await?;
+        let rows = tx.claim(s.batch_size, s.recovery_grace).await?;
         let mut out = RoundOutcome {
             claimed: rows.len(),
             ..Default::default()
@@ -125,18 +128,11 @@ impl<S: Sink> Poller<S> {
                 .text()
                 .and_then(|text| self.tasks.build(&text, &mut scratch))
             {
-                Ok(task) => good.push((row.id, task)),
+                Ok(task) => good.push((row, task)),
                 Err(bad) => {
                     out.failed_rows += 1;
-                    let dead = self
-                        .store
-                        .mark_failed(
-                            &*tx,
-                            row.id,
-                            &bad.to_string(),
-                            self.settings.attempt_backoff,
-                            self.settings.max_attempts,
-                        )
+                    let dead = tx
+                        .mark_failed(row.id, &bad.to_string(), s.attempt_backoff, s.max_attempts)
                         .await?;
                     self.metrics.bad_row(row.event_name(), bad.reason());
                     tracing::warn!(
@@ -152,27 +148,45 @@ impl<S: Sink> Poller<S> {
         }
         let mut delivered: Vec<i64> = Vec::with_capacity(good.len());
         let mut failure = None;
-        for chunk in good.chunks(self.settings.chunk_size.max(1)) {
+        for chunk in good.chunks(s.chunk_size.max(1)) {
             let mut batch = Batch::default();
             for (_, task) in chunk {
                 batch.push(task.clone());
             }
-            match self.sink.write(Arc::new(batch)).await {
-                Ok(o) => {
-                    delivered.extend(chunk.iter().map(|(id, _)| *id));
-                    self.metrics
-                        .published
-                        .inc_by((o.enqueued + o.duplicates) as u64);
-                    self.metrics.duplicates.inc_by(o.duplicates as u64);
-                    self.metrics.poller_delivered.inc_by(chunk.len() as u64);
-                }
+            let outcome = match self.sink.write(Arc::new(batch)).await {
+                Ok(o) => o,
                 Err(e) => {
                     failure = Some(e);
                     break;
                 }
+            };
+            self.metrics.published.inc_by(outcome.delivered() as u64);
+            self.metrics.duplicates.inc_by(outcome.duplicates as u64);
+            self.metrics
+                .poller_delivered
+                .inc_by(outcome.delivered() as u64);
+            let mut rejected = outcome.rejected.iter().peekable();
+            for (i, (row, _)) in chunk.iter().enumerate() {
+                match rejected.next_if(|r| r.index == i) {
+                    None => delivered.push(row.id),
+                    Some(r) => {
+                        out.failed_rows += 1;
+                        let dead = tx
+                            .mark_failed(row.id, &r.reason, s.attempt_backoff, s.max_attempts)
+                            .await?;
+                        self.metrics.rows_rejected.inc();
+                        tracing::warn!(
+                            event_id = %row.event_id(),
+                            attempt = row.attempts + 1,
+                            dead_letter = dead,
+                            reason = %r.reason,
+                            "valkey refused the task"
+                        );
+                    }
+                }
             }
         }
-        self.store.mark_published(&*tx, &delivered).await?;
+        tx.mark_published(&delivered).await?;
         tx.commit().await?;
         out.delivered = delivered.len();
         self.metrics
@@ -194,7 +208,7 @@ pub async fn listen(pg: PgTarget, channel: String, wake: Arc<Notify>, shutdown: 
             _ = shutdown.cancelled() => return,
             r = listen_session(&pg, &channel, &wake) => match r {
                 Ok(()) => tracing::debug!("notification connection closed"),
-                Err(e) => tracing::warn!(error = %crate::replication::stream::error_chain(&e), "notification connection lost"),
+                Err(e) => tracing::warn!(error = %error_chain(&e), "notification connection lost"),
             },
         }
         tokio::select! {

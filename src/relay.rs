@@ -7,12 +7,15 @@ use crate::config::{Mode, RunArgs};
 use crate::marker::Marker;
 use crate::metrics::Metrics;
 use crate::monitor::{Monitor, MonitorSettings};
+use crate::pgoutput::TableName;
 use crate::poller::{self, Poller, PollerSettings};
 use crate::postgres::{PgError, PgTarget};
+use crate::replication::pg_slot::PgSlot;
 use crate::replication::setup::{self, SetupError};
 use crate::replication::stream::{Stream, StreamError, StreamSettings};
 use crate::sink::valkey::ValkeySink;
 use crate::sink::SinkError;
+use crate::store::pg::PgOutbox;
 use crate::store::Store;
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,21 +41,37 @@ pub enum RelayError {
     Stream(#[from] StreamError),
 }
 
+/// Task bytes per batch at most (with `OUTBOX_BATCH_SIZE` rows at most): with
+/// `OUTBOX_MAX_INFLIGHT_BATCHES`, this bounds what the stream holds while Valkey is slow or down.
+const BATCH_BYTES: usize = 8 << 20;
+/// Replication events buffered between the socket reader and the session: enough to keep the
+/// session busy while it writes, few enough that memory stays small with large rows.
+const REPLICATION_BUFFER_EVENTS: usize = 2048;
+/// The poller's tasks per Valkey write (at most `OUTBOX_BATCH_SIZE`): the unit of partial
+/// success, whose marks a later failure in the same round does not lose.
+const POLLER_CHUNK: usize = 100;
+/// Connections the pool keeps beside the pollers: the marker's and the monitor's.
+const POOL_EXTRA: usize = 2;
+/// A stream write unanswered for this many Valkey timeouts has failed, whatever the client
+/// library does (a backstop for a write stuck behind a dead link).
+const WRITE_TIMEOUT_FACTOR: u32 = 3;
+
 /// Checks everything the configured mode needs; in stream mode creates the publication and the
 /// slot when missing.
-pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink), RelayError> {
+pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName), RelayError> {
     let pg = args.db.target()?;
     let valkey_target = args.valkey.target()?;
     let client = pg.connect().await?;
     setup::check_table(&client, &args.db.table).await?;
+    let table = setup::resolve_table(&client, &args.db.table).await?;
     if args.mode == Mode::Poll || args.recovery {
-        setup::check_poller_columns(&client, &args.db.table).await?;
+        setup::check_poller_columns(&client, &table).await?;
     }
     if args.mode == Mode::Stream {
         setup::check_wal_level(&client).await?;
         setup::check_replication_privilege(&client).await?;
         // The publication first: a slot created before it may miss the table's first changes.
-        setup::ensure_publication(&client, &args.db.publication, &args.db.table).await?;
+        setup::ensure_publication(&client, &args.db.publication, &table).await?;
         let slot = setup::ensure_slot(&client, &args.slot).await?;
         tracing::info!(slot = %args.slot, confirmed_flush = %slot.confirmed_flush, wal_status = ?slot.wal_status, "slot ready");
     }
@@ -63,7 +82,7 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink), RelayErro
             source,
         })?;
     warn_on_eviction(&sink).await;
-    Ok((pg, sink))
+    Ok((pg, sink, table))
 }
 
 /// With eviction enabled, Valkey may silently drop tasks under memory pressure. On a cluster
@@ -102,13 +121,17 @@ pub async fn run(
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> Result<(), RelayError> {
-    let (pg, sink) = prepare(args).await?;
+    let (pg, sink, table) = prepare(args).await?;
     metrics.health.set_postgres(true);
     metrics.health.set_valkey(true);
     metrics.health.set_running(true, args.mode == Mode::Stream);
     let tasks = Arc::new(args.task_settings());
-    let store = Store::new(args.db.table.clone()).deleting_delivered(args.delete_delivered);
-    let pool = pg.pool(args.pollers + 2);
+    let store = Store::new(table.clone()).deleting_delivered(args.delete_delivered);
+    let pool = pg.pool(args.pollers + POOL_EXTRA);
+    let outbox = PgOutbox {
+        pool: pool.clone(),
+        store: store.clone(),
+    };
     // Background work stops on its own token, after the stream has finished its shutdown.
     let background = CancellationToken::new();
     let mut set = JoinSet::new();
@@ -126,7 +149,7 @@ pub async fn run(
         }
         let settings = PollerSettings {
             batch_size: args.batch_size,
-            chunk_size: args.batch_size.min(100),
+            chunk_size: args.batch_size.min(POLLER_CHUNK),
             poll_interval: args.poll_interval,
             recovery_grace: (args.mode == Mode::Stream).then_some(args.recovery_grace),
             max_attempts: args.max_attempts,
@@ -134,8 +157,7 @@ pub async fn run(
         };
         for _ in 0..args.pollers {
             let poller = Poller {
-                pool: pool.clone(),
-                store: store.clone(),
+                table: outbox.clone(),
                 settings: settings.clone(),
                 tasks: tasks.clone(),
                 sink: sink.clone(),
@@ -182,8 +204,7 @@ pub async fn run(
         Mode::Stream => {
             let marker = args.mark_published.then(|| {
                 let (marker, handle) = Marker::new(
-                    pool.clone(),
-                    store.clone(),
+                    outbox.clone(),
                     metrics.clone(),
                     args.recovery.then_some(args.recovery_grace),
                 );
@@ -191,16 +212,20 @@ pub async fn run(
                 handle
             });
             let stream = Stream {
-                pg,
-                settings: StreamSettings {
+                port: PgSlot {
+                    pg,
                     slot: args.slot.clone(),
                     publication: args.db.publication.clone(),
-                    table: args.db.table.clone(),
+                    buffer_events: REPLICATION_BUFFER_EVENTS,
+                },
+                settings: StreamSettings {
+                    slot: args.slot.clone(),
+                    table,
                     batch_rows: args.batch_size,
-                    batch_bytes: 8 << 20,
+                    batch_bytes: BATCH_BYTES,
                     max_inflight: args.max_inflight_batches,
+                    write_timeout: args.valkey.valkey_timeout * WRITE_TIMEOUT_FACTOR,
                     shutdown_timeout: args.shutdown_timeout,
-                    buffer_events: 2048,
                     on_slot_lost: args.on_slot_lost,
                     takeover_after: args.takeover_after,
                 },

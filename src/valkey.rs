@@ -267,6 +267,16 @@ impl ValkeyConnection {
         matches!(self, Self::Cluster(_))
     }
 
+    /// Stops using the current connection after a write timed out or failed on the link, so
+    /// writes queued behind it are dropped rather than piling up. Sentinel: the next command
+    /// asks the sentinels again. Single server and cluster: their clients reconnect by
+    /// themselves on connection errors (a timed-out write is bounded by the response timeout).
+    pub fn reset(&self) {
+        if let Self::Sentinel(c) = self {
+            c.forget_current();
+        }
+    }
+
     /// Runs `cmd` on every primary: on the one server, on the current primary, or on each
     /// primary of the cluster. Returns (node, reply) pairs; the node is `None` outside a
     /// cluster. An error of the whole call means no node could be asked.
@@ -387,6 +397,11 @@ impl SentinelConnection {
         tracing::info!(primary = %addr, "connected to the primary named by the sentinels");
         *self.inner.current.lock().unwrap() = Some((generation, conn.clone()));
         Ok((generation, conn))
+    }
+
+    /// Stops using whatever connection is current.
+    fn forget_current(&self) {
+        *self.inner.current.lock().unwrap() = None;
     }
 
     /// Stops using connection `generation`: the next command asks the sentinels again.

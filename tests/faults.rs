@@ -289,7 +289,12 @@ async fn one_huge_transaction_is_delivered_with_bounded_memory() {
     let pg = OwnPg::start(&["-c", "wal_sender_timeout=5s"]);
     let db = TestDb::on(&pg.url, "f_huge", true).await;
     let redis = Redis::start();
-    let relay = RelayProcess::spawn_streaming(&db, &redis.url, &["--recovery", "false"]).await;
+    let relay = RelayProcess::spawn_streaming(
+        &db,
+        &redis.url,
+        &["--recovery", "false", "--on-slot-lost", "stop"],
+    )
+    .await;
     let rows: i32 = if long() { 1_000_000 } else { 200_000 };
     db.client()
         .await

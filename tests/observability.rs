@@ -131,7 +131,12 @@ fn status_json(db: &TestDb, redis_url: &str) -> serde_json::Value {
 async fn status_reports_a_lag_that_grows_while_the_relay_is_stopped() {
     let db = TestDb::new("status").await;
     let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(&db, &redis.url, &["--recovery", "false"])).await;
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &["--recovery", "false", "--on-slot-lost", "stop"],
+    ))
+    .await;
     let mut c = db.client().await;
     insert_events(&mut c, "order.placed", 10, 10).await;
     wait_pending(&redis, "default", 10).await;

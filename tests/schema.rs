@@ -28,7 +28,14 @@ async fn columns_map_by_name_and_survive_alter_table() {
     let relay = Relay::start_streaming(run_args(
         &db,
         &redis.url,
-        &["--table", "app.events", "--recovery", "false"],
+        &[
+            "--table",
+            "app.events",
+            "--recovery",
+            "false",
+            "--on-slot-lost",
+            "stop",
+        ],
     ))
     .await;
     c.batch_execute(

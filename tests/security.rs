@@ -7,7 +7,7 @@ mod common;
 use common::certs::Certs;
 use common::topologies::{assert_each_delivered_once, ValkeySentinel};
 use common::*;
-use outbox_relay::replication::stream::error_chain;
+use outbox_relay::error_chain;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;

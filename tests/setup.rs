@@ -59,6 +59,8 @@ fn bad_configuration_is_refused_naming_the_setting() {
         (&[("OUTBOX_VALKEY_URL", "http://nope")], "OUTBOX_VALKEY_URL"),
         (&[("OUTBOX_MODE", "turbo")], "OUTBOX_MODE"),
         (&[("OUTBOX_ON_SLOT_LOST", "ignore")], "OUTBOX_ON_SLOT_LOST"),
+        // Recovery off would lose what a recreated slot skips (issue 12 a).
+        (&[("OUTBOX_RECOVERY", "false")], "OUTBOX_RECOVERY"),
         (&[("OUTBOX_POLL_INTERVAL", "0")], "OUTBOX_POLL_INTERVAL"),
         (
             &[("OUTBOX_METRICS_ADDR", "localhost")],

@@ -239,7 +239,14 @@ async fn sigterm_acknowledges_and_exits_zero() {
     let mut relay = RelayProcess::spawn_streaming(
         &db,
         &redis.url,
-        &["--mark-published", "false", "--recovery", "false"],
+        &[
+            "--mark-published",
+            "false",
+            "--recovery",
+            "false",
+            "--on-slot-lost",
+            "stop",
+        ],
     )
     .await;
     let mut c = db.client().await;

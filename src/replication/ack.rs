@@ -6,6 +6,7 @@
 //! is confirmed. Keepalive positions are taken only when nothing at all is open or unconfirmed.
 //! The acknowledged LSN never moves backwards.
 
+use super::invariant::{ensure, InvariantViolation};
 use pgwire_replication::Lsn;
 use std::collections::VecDeque;
 
@@ -41,17 +42,28 @@ impl AckTracker {
         self.acked
     }
 
-    pub fn begin(&mut self) {
+    /// A transaction begins. Transactions do not nest.
+    pub fn begin(&mut self) -> Result<(), InvariantViolation> {
+        ensure(!self.in_txn, || "a transaction began inside another".into())?;
         self.in_txn = true;
+        Ok(())
     }
 
-    /// A row was added to the open batch.
-    pub fn row(&mut self) {
+    /// A row of the current transaction was added to the open batch.
+    pub fn row(&mut self) -> Result<(), InvariantViolation> {
+        ensure(self.in_txn, || "a row arrived outside a transaction".into())?;
         self.open_rows += 1;
+        Ok(())
     }
 
     /// The transaction ended at `end_lsn`; its rows are in the open batch or earlier ones.
-    pub fn commit(&mut self, end_lsn: Lsn) {
+    /// Commits arrive in LSN order, never at or before the position already acknowledged.
+    pub fn commit(&mut self, end_lsn: Lsn) -> Result<(), InvariantViolation> {
+        ensure(self.in_txn, || format!("commit {end_lsn} without a begin"))?;
+        let newest = self.commits.back().map_or(self.acked, |c| c.1);
+        ensure(end_lsn > newest, || {
+            format!("commit {end_lsn} is not after {newest}, acknowledged or waiting")
+        })?;
         self.in_txn = false;
         let needs_below = if self.open_rows > 0 {
             self.open_seq + 1
@@ -60,6 +72,7 @@ impl AckTracker {
         };
         self.commits.push_back((needs_below, end_lsn));
         self.advance();
+        Ok(())
     }
 
     /// The open batch is handed to the sink; returns its sequence number.
@@ -70,11 +83,18 @@ impl AckTracker {
         seq
     }
 
-    /// The sink confirmed batch `seq`. Batches are confirmed in order.
-    pub fn confirmed(&mut self, seq: u64) {
-        debug_assert_eq!(seq, self.confirmed_below, "batches confirm in order");
-        self.confirmed_below = self.confirmed_below.max(seq + 1);
+    /// The sink confirmed batch `seq`. Batches are confirmed in order, each once, and only
+    /// after they were sealed.
+    pub fn confirmed(&mut self, seq: u64) -> Result<(), InvariantViolation> {
+        ensure(seq == self.confirmed_below && seq < self.open_seq, || {
+            format!(
+                "batch {seq} confirmed, but the oldest unconfirmed one is {} (sealed below {})",
+                self.confirmed_below, self.open_seq
+            )
+        })?;
+        self.confirmed_below = seq + 1;
         self.advance();
+        Ok(())
     }
 
     /// A keepalive (or a non-transactional message) reported the server at `wal_end`. Taken only
@@ -115,46 +135,46 @@ mod tests {
     #[test]
     fn acks_a_commit_only_after_its_batch_is_confirmed() {
         let mut t = AckTracker::new(Lsn(10));
-        t.begin();
-        t.row();
-        t.row();
-        t.commit(Lsn(100));
+        t.begin().unwrap();
+        t.row().unwrap();
+        t.row().unwrap();
+        t.commit(Lsn(100)).unwrap();
         assert_eq!(t.acked(), Lsn(10));
         let s = t.seal();
         assert_eq!(t.acked(), Lsn(10));
-        t.confirmed(s);
+        t.confirmed(s).unwrap();
         assert_eq!(t.acked(), Lsn(100));
     }
 
     #[test]
     fn a_transaction_spanning_batches_waits_for_the_last() {
         let mut t = AckTracker::new(Lsn(0));
-        t.begin();
-        t.row();
+        t.begin().unwrap();
+        t.row().unwrap();
         let a = t.seal();
-        t.row();
+        t.row().unwrap();
         let b = t.seal();
-        t.row();
-        t.commit(Lsn(50));
-        t.confirmed(a);
-        t.confirmed(b);
+        t.row().unwrap();
+        t.commit(Lsn(50)).unwrap();
+        t.confirmed(a).unwrap();
+        t.confirmed(b).unwrap();
         assert_eq!(t.acked(), Lsn(0), "the third row is not written yet");
         let c = t.seal();
-        t.confirmed(c);
+        t.confirmed(c).unwrap();
         assert_eq!(t.acked(), Lsn(50));
     }
 
     #[test]
     fn a_commit_without_rows_waits_for_earlier_batches() {
         let mut t = AckTracker::new(Lsn(0));
-        t.begin();
-        t.row();
-        t.commit(Lsn(10));
+        t.begin().unwrap();
+        t.row().unwrap();
+        t.commit(Lsn(10)).unwrap();
         let a = t.seal();
-        t.begin();
-        t.commit(Lsn(20)); // every row of it was a bad row
+        t.begin().unwrap();
+        t.commit(Lsn(20)).unwrap(); // every row of it was a bad row
         assert_eq!(t.acked(), Lsn(0));
-        t.confirmed(a);
+        t.confirmed(a).unwrap();
         assert_eq!(t.acked(), Lsn(20));
     }
 
@@ -163,22 +183,54 @@ mod tests {
         let mut t = AckTracker::new(Lsn(5));
         t.idle_position(Lsn(7));
         assert_eq!(t.acked(), Lsn(7));
-        t.begin();
+        t.begin().unwrap();
         t.idle_position(Lsn(9));
         assert_eq!(t.acked(), Lsn(7), "inside a transaction");
-        t.row();
-        t.commit(Lsn(12));
+        t.row().unwrap();
+        t.commit(Lsn(12)).unwrap();
         t.idle_position(Lsn(15));
         assert_eq!(t.acked(), Lsn(7), "a row is buffered");
         let s = t.seal();
         t.idle_position(Lsn(15));
         assert_eq!(t.acked(), Lsn(7), "a batch is unconfirmed");
-        t.confirmed(s);
+        t.confirmed(s).unwrap();
         assert_eq!(t.acked(), Lsn(12));
         t.idle_position(Lsn(15));
         assert_eq!(t.acked(), Lsn(15));
         t.idle_position(Lsn(3));
         assert_eq!(t.acked(), Lsn(15), "never backwards");
+    }
+
+    #[test]
+    fn a_confirmation_out_of_order_is_a_violation_and_acks_nothing() {
+        let mut t = AckTracker::new(Lsn(0));
+        t.begin().unwrap();
+        t.row().unwrap();
+        let a = t.seal();
+        t.commit(Lsn(10)).unwrap();
+        t.begin().unwrap();
+        t.row().unwrap();
+        let b = t.seal();
+        t.commit(Lsn(20)).unwrap();
+        assert!(t.confirmed(b).is_err(), "b confirmed before a");
+        assert_eq!(t.acked(), Lsn(0));
+        assert!(t.confirmed(a + 7).is_err(), "never sealed");
+        t.confirmed(a).unwrap();
+        assert!(t.confirmed(a).is_err(), "confirmed twice");
+        assert_eq!(t.acked(), Lsn(10));
+    }
+
+    #[test]
+    fn protocol_violations_are_refused() {
+        let mut t = AckTracker::new(Lsn(100));
+        assert!(t.row().is_err(), "row outside a transaction");
+        assert!(t.commit(Lsn(200)).is_err(), "commit without begin");
+        t.begin().unwrap();
+        assert!(t.begin().is_err(), "nested begin");
+        assert!(
+            t.commit(Lsn(100)).is_err(),
+            "commit at the acknowledged position"
+        );
     }
 
     proptest! {
@@ -195,11 +247,11 @@ mod tests {
             let mut in_txn = false;
             for op in ops {
                 match op {
-                    0 if !in_txn => { t.begin(); in_txn = true; }
-                    1 if in_txn => { t.row(); rows.push((None, None)); }
+                    0 if !in_txn => { t.begin().unwrap(); in_txn = true; }
+                    1 if in_txn => { t.row().unwrap(); rows.push((None, None)); }
                     2 if in_txn => {
                         lsn += 10;
-                        t.commit(Lsn(lsn));
+                        t.commit(Lsn(lsn)).unwrap();
                         for r in rows.iter_mut().filter(|r| r.1.is_none()) { r.1 = Some(lsn); }
                         in_txn = false;
                     }
@@ -208,7 +260,7 @@ mod tests {
                         for r in rows.iter_mut().filter(|r| r.0.is_none()) { r.0 = Some(s); }
                         sealed.push(s);
                     }
-                    4 if (confirmed as usize) < sealed.len() => { t.confirmed(confirmed); confirmed += 1; }
+                    4 if (confirmed as usize) < sealed.len() => { t.confirmed(confirmed).unwrap(); confirmed += 1; }
                     _ => {}
                 }
                 let acked = t.acked().0;

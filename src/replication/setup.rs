@@ -85,6 +85,27 @@ pub async fn check_replication_privilege(client: &Client) -> Result<(), SetupErr
     Ok(())
 }
 
+/// The table as `schema.table`, resolved through the search path as SQL resolves it. The stream
+/// then takes rows only from that table: a table of the same name in another schema of the
+/// publication is not the outbox, and its ids must never mark the outbox's rows.
+pub async fn resolve_table(client: &Client, table: &TableName) -> Result<TableName, SetupError> {
+    if table.schema.is_some() {
+        return Ok(table.clone());
+    }
+    let row = client
+        .query_opt(
+            "SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.oid = to_regclass($1)",
+            &[&table.sql()],
+        )
+        .await?;
+    let Some(row) = row else {
+        return Err(SetupError::NoTable(table.sql()));
+    };
+    let schema: String = row.get(0);
+    Ok(TableName::parse(&format!("{schema}.{}", table.table)).unwrap_or_else(|| table.clone()))
+}
+
 /// Checks the table exists and has the columns a task is built from.
 pub async fn check_table(client: &Client, table: &TableName) -> Result<(), SetupError> {
     let row = client

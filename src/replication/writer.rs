@@ -1,7 +1,17 @@
 //! The in-flight side of the stream: batches handed to the sink in order, confirmed in order,
 //! and on any failure re-sent (all of them, in order) after a backoff. asynq's TaskID dedupe
-//! makes re-sending a batch that partly landed harmless. Memory is bounded by `max_inflight`.
+//! makes re-sending a batch that partly landed harmless.
+//!
+//! Rules, each checked in release builds (a broken one ends the session, see [`super::invariant`]):
+//! - the writes under way are always for the oldest unconfirmed batches, in order: a batch handed
+//!   over while the writer backs off waits for the retry, which re-sends everything unconfirmed;
+//! - a confirmation must be for the oldest unconfirmed batch, and must account for every task;
+//! - at most `max_inflight` batches are held, so memory is bounded by `max_inflight` batches
+//!   (each bounded by rows and bytes by the session);
+//! - a write that does not answer within `write_timeout` counts as failed, and a failure on the
+//!   link resets the sink's connection, so abandoned writes never pile up behind a dead link.
 
+use super::invariant::{ensure, InvariantViolation};
 use crate::backoff::Backoff;
 use crate::metrics::{Metrics, TargetLabel};
 use crate::sink::{Batch, Sink, SinkError, WriteOutcome};
@@ -15,7 +25,8 @@ use tokio::time::Instant;
 /// What happened to the writes.
 #[derive(Debug)]
 pub enum WriterEvent {
-    /// Batch `seq` is in the sink; every earlier batch already was.
+    /// Batch `seq` is in the sink (less the tasks `outcome` lists as rejected); every earlier
+    /// batch already was.
     Confirmed {
         seq: u64,
         batch: Arc<Batch>,
@@ -30,15 +41,25 @@ pub enum WriterEvent {
 
 type WriteResult = (u64, Instant, Result<WriteOutcome, SinkError>);
 
+/// First delay after a failed write, and the cap of the doubling delays.
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
 pub struct Writer<S: Sink> {
     sink: S,
     /// Batches handed over and not yet confirmed, oldest first.
     unconfirmed: VecDeque<(u64, Arc<Batch>)>,
-    /// The writes under way for (a suffix of) `unconfirmed`, resolving in order.
+    /// Task bytes held in `unconfirmed`.
+    bytes: usize,
+    /// The writes under way: one for each of the first `inflight.len()` batches of
+    /// `unconfirmed`, resolving in that order.
     inflight: FuturesOrdered<BoxFuture<'static, WriteResult>>,
     /// Set after a failure: when to re-send.
     retry_at: Option<Instant>,
+    /// Unconfirmed batches at most.
     max_inflight: usize,
+    /// A write unanswered this long has failed.
+    write_timeout: Duration,
     backoff: Backoff,
     metrics: Arc<Metrics>,
     /// A write failed and none has succeeded since.
@@ -46,22 +67,29 @@ pub struct Writer<S: Sink> {
 }
 
 impl<S: Sink> Writer<S> {
-    pub fn new(sink: S, max_inflight: usize, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        sink: S,
+        max_inflight: usize,
+        write_timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             sink,
             unconfirmed: VecDeque::new(),
+            bytes: 0,
             inflight: FuturesOrdered::new(),
             retry_at: None,
-            max_inflight,
-            backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
+            max_inflight: max_inflight.max(1),
+            write_timeout,
+            backoff: Backoff::new(RETRY_FIRST, RETRY_MAX),
             metrics,
             failing: false,
         }
     }
 
-    /// Room for another batch, and not backing off.
+    /// Room for another batch.
     pub fn can_send(&self) -> bool {
-        self.retry_at.is_none() && self.unconfirmed.len() < self.max_inflight
+        self.unconfirmed.len() < self.max_inflight
     }
 
     /// Something is unconfirmed: [`next`](Self::next) will resolve.
@@ -69,68 +97,133 @@ impl<S: Sink> Writer<S> {
         !self.unconfirmed.is_empty()
     }
 
-    /// Hands batch `seq` to the sink.
-    pub fn send(&mut self, seq: u64, batch: Batch) {
+    /// Backing off after a failure.
+    pub fn backing_off(&self) -> bool {
+        self.retry_at.is_some()
+    }
+
+    /// Batches held, and their task bytes.
+    pub fn held(&self) -> (usize, usize) {
+        (self.unconfirmed.len(), self.bytes)
+    }
+
+    /// Hands batch `seq` to the sink. Sequence numbers increase by one; there must be room.
+    pub fn send(&mut self, seq: u64, batch: Batch) -> Result<(), InvariantViolation> {
+        ensure(self.can_send(), || {
+            format!(
+                "batch {seq} handed over with {} held",
+                self.unconfirmed.len()
+            )
+        })?;
+        if let Some((last, _)) = self.unconfirmed.back() {
+            ensure(seq == last + 1, || {
+                format!("batch {seq} handed over after batch {last}")
+            })?;
+        }
         let batch = Arc::new(batch);
+        self.bytes += batch.bytes;
         self.unconfirmed.push_back((seq, batch.clone()));
-        let fut = self.write(seq, batch);
-        self.inflight.push_back(fut);
+        // While backing off nothing is written: the retry re-sends every unconfirmed batch, in
+        // order, this one included.
+        if self.retry_at.is_none() {
+            let fut = self.write(seq, batch);
+            self.inflight.push_back(fut);
+        }
+        self.gauges();
+        Ok(())
     }
 
     fn write(&self, seq: u64, batch: Arc<Batch>) -> BoxFuture<'static, WriteResult> {
         let write = self.sink.write(batch);
+        let limit = self.write_timeout;
         Box::pin(async move {
             let started = Instant::now();
-            (seq, started, write.await)
+            let result = match tokio::time::timeout(limit, write).await {
+                Ok(r) => r,
+                Err(_) => Err(SinkError::Timeout(limit)),
+            };
+            (seq, started, result)
         })
+    }
+
+    fn gauges(&self) {
+        self.metrics
+            .inflight_batches
+            .set(self.unconfirmed.len() as i64);
+        self.metrics.inflight_bytes.set(self.bytes as i64);
     }
 
     /// The next confirmation or failure. Cancel-safe: use it in `select!`. Only call while
     /// [`busy`](Self::busy).
-    pub async fn next(&mut self) -> WriterEvent {
+    pub async fn next(&mut self) -> Result<WriterEvent, InvariantViolation> {
         loop {
             if let Some(at) = self.retry_at {
                 tokio::time::sleep_until(at).await;
                 self.retry_at = None;
+                ensure(self.inflight.is_empty(), || {
+                    "writes under way while backing off".into()
+                })?;
                 for (seq, batch) in &self.unconfirmed {
                     let fut = self.write(*seq, batch.clone());
                     self.inflight.push_back(fut);
                 }
             }
             match self.inflight.next().await {
-                Some((seq, started, Ok(outcome))) => {
-                    let (front, batch) = self
-                        .unconfirmed
-                        .pop_front()
-                        .expect("a confirmed write has an unconfirmed batch");
-                    debug_assert_eq!(front, seq);
-                    self.backoff.reset();
-                    if std::mem::take(&mut self.failing) {
-                        self.metrics
-                            .reconnects
-                            .get_or_create(&TargetLabel { target: "valkey" })
-                            .inc();
-                    }
-                    self.metrics
-                        .batch_duration
-                        .observe(started.elapsed().as_secs_f64());
-                    return WriterEvent::Confirmed {
-                        seq,
-                        batch,
-                        outcome,
-                    };
-                }
+                Some((seq, started, Ok(outcome))) => return self.confirmed(seq, started, outcome),
                 Some((_, _, Err(error))) => {
                     // Later writes may or may not land; all of them are re-sent in order.
                     self.inflight = FuturesOrdered::new();
+                    if error.poisons_connection() {
+                        self.sink.reset();
+                    }
                     let retry_in = self.backoff.next_delay();
                     self.retry_at = Some(Instant::now() + retry_in);
                     self.metrics.write_errors.inc();
                     self.failing = true;
-                    return WriterEvent::Failed { error, retry_in };
+                    return Ok(WriterEvent::Failed { error, retry_in });
                 }
                 None => std::future::pending::<()>().await,
             }
         }
+    }
+
+    fn confirmed(
+        &mut self,
+        seq: u64,
+        started: Instant,
+        outcome: WriteOutcome,
+    ) -> Result<WriterEvent, InvariantViolation> {
+        let front = self.unconfirmed.front().map(|(s, _)| *s);
+        ensure(front == Some(seq), || {
+            format!("the sink confirmed batch {seq}, but the oldest unconfirmed is {front:?}")
+        })?;
+        let (_, batch) = self.unconfirmed.pop_front().expect("checked above");
+        let answered = outcome.delivered() + outcome.rejected.len();
+        ensure(
+            answered == batch.len() && outcome.rejected.iter().all(|r| r.index < batch.len()),
+            || {
+                format!(
+                    "the sink answered for {answered} tasks of batch {seq}, which has {}",
+                    batch.len()
+                )
+            },
+        )?;
+        self.bytes -= batch.bytes;
+        self.gauges();
+        self.backoff.reset();
+        if std::mem::take(&mut self.failing) {
+            self.metrics
+                .reconnects
+                .get_or_create(&TargetLabel { target: "valkey" })
+                .inc();
+        }
+        self.metrics
+            .batch_duration
+            .observe(started.elapsed().as_secs_f64());
+        Ok(WriterEvent::Confirmed {
+            seq,
+            batch,
+            outcome,
+        })
     }
 }

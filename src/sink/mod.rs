@@ -1,13 +1,13 @@
 //! Where tasks go. The [`Sink`] trait is the contract the stream and the poller write through;
-//! [`valkey::ValkeySink`] is the real one (asynq's storage format), [`memory::MemorySink`] an
-//! in-memory one with injectable failures for tests.
+//! [`valkey::ValkeySink`] is the real one (asynq's storage format). The deterministic simulation
+//! (`crate::sim`) implements it in memory, with faults.
 
-pub mod memory;
 pub mod valkey;
 
 use crate::task::Task;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Tasks written together: one Valkey round trip.
 #[derive(Debug, Default, Clone)]
@@ -43,34 +43,83 @@ impl Batch {
     }
 }
 
-/// What a successful write did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+/// A task the sink refused for a reason that retrying the same write cannot fix (the queue's key
+/// has the wrong type, the queue name spans cluster slots, the ACL forbids the queue...). Its row
+/// stays unpublished: the recovery poller retries it, counts the attempts and dead-letters it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
+    /// Index of the task in [`Batch::tasks`].
+    pub index: usize,
+    /// The sink's answer, for logs and the row's `last_error`.
+    pub reason: String,
+}
+
+/// What a successful write did: every task of the batch was created, already existed, or was
+/// rejected.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct WriteOutcome {
     /// Tasks newly created.
     pub enqueued: usize,
     /// Tasks whose TaskID already existed: already delivered, so counted as delivered.
     pub duplicates: usize,
+    /// Tasks refused for good (see [`Rejected`]), in batch order.
+    pub rejected: Vec<Rejected>,
 }
 
-/// A failed write: nothing about the batch may be assumed (some tasks may exist). Every sink
-/// error is retryable from the caller's side; the caller decides how long to keep trying.
+impl WriteOutcome {
+    /// Tasks that now exist in the destination.
+    pub fn delivered(&self) -> usize {
+        self.enqueued + self.duplicates
+    }
+}
+
+/// A failed write: nothing about the batch may be assumed (some tasks may exist, the reply may
+/// have been lost). The caller keeps the batch and writes it again: asynq's TaskID dedupe makes
+/// that harmless.
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
     #[error("valkey write failed")]
     Valkey(#[source] redis::RedisError),
-    #[error("injected failure")]
-    Injected,
+    #[error("no answer from valkey within {0:?}")]
+    Timeout(Duration),
+    /// A fault the simulation injected.
+    #[error("simulated failure: {0}")]
+    Simulated(&'static str),
+}
+
+impl SinkError {
+    /// The connection may hold queued writes that will never be answered: reset it rather than
+    /// queue more behind them.
+    pub fn poisons_connection(&self) -> bool {
+        match self {
+            SinkError::Timeout(_) => true,
+            SinkError::Valkey(e) => e.is_io_error() || e.is_timeout() || e.is_connection_dropped(),
+            // The simulation's faults are of the link: a reset is what the real sink would need.
+            SinkError::Simulated(_) => true,
+        }
+    }
 }
 
 /// A destination for tasks.
 ///
-/// Contract: delivery is at-least-once, so a write must tolerate tasks that already exist
-/// (same TaskID): they count as delivered, never as errors, and are never written twice.
-/// `Ok` means every task of the batch now exists in the destination. Within one sink, writes
-/// issued in order are applied in order (the pending list keeps commit order).
+/// Contract:
+/// - Delivery is at-least-once, so a write must tolerate tasks that already exist (same
+///   TaskID): they count as delivered, never as errors, and are never written twice.
+/// - `Ok` means every task of the batch now exists in the destination, or is listed in
+///   [`WriteOutcome::rejected`] (and does not exist).
+/// - `Err` means anything may have happened; the caller writes the batch again.
+/// - Within one sink, writes issued in order are applied in order (the pending list keeps
+///   commit order).
+/// - Each queue's part of a write is all or nothing: a task hash never exists without its
+///   entry in the pending list.
 pub trait Sink: Clone + Send + Sync + 'static {
     fn write(
         &self,
         batch: Arc<Batch>,
     ) -> impl Future<Output = Result<WriteOutcome, SinkError>> + Send + 'static;
+
+    /// Drops the connection and everything queued on it; the next write connects afresh.
+    /// Called after a write timed out or the connection failed, so that abandoned writes do
+    /// not pile up behind a link that does not answer.
+    fn reset(&self) {}
 }

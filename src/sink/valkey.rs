@@ -10,9 +10,10 @@
 //! (sent together, each to the shard of its queue's slot), and `SADD asynq:queues`, whose key
 //! has a slot of its own, is sent beside them once per queue (as asynq's Go client does).
 
-use super::{Batch, Sink, SinkError, WriteOutcome};
+use super::{Batch, Rejected, Sink, SinkError, WriteOutcome};
 use crate::task::Task;
 use crate::valkey::{ValkeyConnection, ValkeyTarget};
+use redis::{ServerErrorKind, Value};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -22,9 +23,18 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// pending list in one LPUSH, which leaves them in the order one LPUSH per task would (each value
 /// is pushed onto the head in turn); the script runs atomically, so no reader sees the hashes
 /// without their ids.
+///
+/// All or nothing: the pending list's type is checked before anything is written, so the LPUSH
+/// cannot fail after the HSETs (a task hash without its pending entry would count as delivered
+/// on a replay, and never run). Under `maxmemory` the first HSET is refused (Valkey checks memory
+/// at a script's first write), so nothing is written either.
 pub const ENQUEUE_SCRIPT: &str = r#"
 local n = #KEYS - 1
 local pending = KEYS[#KEYS]
+local kind = redis.call("TYPE", pending)["ok"]
+if kind ~= "list" and kind ~= "none" then
+  return redis.error_reply("WRONGTYPE " .. pending .. " holds a " .. kind .. ", not asynq's pending list")
+end
 local now = ARGV[1]
 local out = {}
 local ids = {}
@@ -78,28 +88,78 @@ impl std::fmt::Debug for ValkeySink {
     }
 }
 
-/// The tasks of a batch grouped by queue, queues in order of first appearance, each queue's
-/// tasks in batch order (the pending list is FIFO).
-fn by_queue(tasks: &[Task]) -> Vec<(&str, Vec<&Task>)> {
-    let mut groups: Vec<(&str, Vec<&Task>)> = Vec::new();
-    for t in tasks {
+/// The tasks of a batch grouped by queue, as indices into the batch: queues in order of first
+/// appearance, each queue's tasks in batch order (the pending list is FIFO).
+fn by_queue(tasks: &[Task]) -> Vec<(&str, Vec<usize>)> {
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (i, t) in tasks.iter().enumerate() {
         match groups.iter_mut().find(|(q, _)| *q == &*t.queue) {
-            Some((_, of_queue)) => of_queue.push(t),
-            None => groups.push((&t.queue, vec![t])),
+            Some((_, of_queue)) => of_queue.push(i),
+            None => groups.push((&t.queue, vec![i])),
         }
     }
     groups
 }
 
-/// Counts the script results (1 = created, 0 = already there).
-fn count(results: &[Vec<i64>], out: &mut WriteOutcome) {
-    for r in results.iter().flatten() {
-        if *r == 1 {
-            out.enqueued += 1;
-        } else {
-            out.duplicates += 1;
+/// What a refused script call means for its tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The server or the link is in trouble (OOM, LOADING, BUSY, READONLY, TRYAGAIN,
+    /// CLUSTERDOWN, MOVED, a lost connection...): hold the acknowledgement and write again.
+    Retry,
+    /// This queue cannot take these tasks until someone changes something (WRONGTYPE on its
+    /// keys, CROSSSLOT from a queue name with braces, NOPERM from an ACL, a script error): the
+    /// rows stay unpublished for the poller, which counts attempts and dead-letters them, and
+    /// every other queue goes on.
+    Reject,
+}
+
+/// Classifies a server's error reply to one queue's script call.
+pub fn refusal(e: &redis::RedisError) -> Refusal {
+    match e.code() {
+        Some("WRONGTYPE" | "CROSSSLOT" | "NOPERM" | "ERR" | "EXECABORT") => Refusal::Reject,
+        _ => Refusal::Retry,
+    }
+}
+
+/// The scripts of one queue in a pipeline: the batch indices of each call's tasks.
+struct QueueCalls<'b> {
+    queue: &'b str,
+    chunks: Vec<&'b [usize]>,
+}
+
+/// Adds the replies of one queue's script calls to `out`. A reply that says "retry" fails the
+/// whole write (returned as the error); a rejecting one lists that call's tasks as rejected.
+fn settle(
+    calls: &QueueCalls<'_>,
+    replies: impl Iterator<Item = Value>,
+    out: &mut WriteOutcome,
+) -> Result<(), redis::RedisError> {
+    for (chunk, reply) in calls.chunks.iter().zip(replies) {
+        match reply.extract_error() {
+            Ok(v) => {
+                for r in redis::from_redis_value::<Vec<i64>>(v)? {
+                    if r == 1 {
+                        out.enqueued += 1;
+                    } else {
+                        out.duplicates += 1;
+                    }
+                }
+            }
+            Err(e) if e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
+                return Err(e)
+            }
+            Err(e) if refusal(&e) == Refusal::Reject => {
+                let reason = format!("queue {:?} refused the task: {e}", calls.queue);
+                out.rejected.extend(chunk.iter().map(|&index| Rejected {
+                    index,
+                    reason: reason.clone(),
+                }));
+            }
+            Err(e) => return Err(e),
         }
     }
+    Ok(())
 }
 
 impl ValkeySink {
@@ -135,20 +195,34 @@ impl ValkeySink {
         Ok(())
     }
 
-    /// Appends the script calls for one queue's tasks.
-    fn add_scripts(&self, pipe: &mut redis::Pipeline, q: &str, tasks: &[&Task], now_ns: &str) {
+    /// Appends the script calls for one queue's tasks; returns the calls' task indices.
+    fn add_scripts<'b>(
+        &self,
+        pipe: &mut redis::Pipeline,
+        batch: &Batch,
+        q: &'b str,
+        tasks: &'b [usize],
+        now_ns: &str,
+    ) -> QueueCalls<'b> {
+        let mut calls = QueueCalls {
+            queue: q,
+            chunks: Vec::new(),
+        };
         for chunk in tasks.chunks(TASKS_PER_SCRIPT) {
             let mut cmd = redis::cmd("EVALSHA");
             cmd.arg(self.script.get_hash()).arg(chunk.len() + 1);
-            for t in chunk {
-                cmd.arg(task_key(q, &t.id));
+            for &i in chunk {
+                cmd.arg(task_key(q, &batch.tasks[i].id));
             }
             cmd.arg(pending_key(q)).arg(now_ns);
-            for t in chunk {
+            for &i in chunk {
+                let t = &batch.tasks[i];
                 cmd.arg(&t.msg[..]).arg(&t.id);
             }
             pipe.add_command(cmd);
+            calls.chunks.push(chunk);
         }
+        calls
     }
 
     async fn write_once(&self, batch: &Batch) -> Result<WriteOutcome, redis::RedisError> {
@@ -159,14 +233,23 @@ impl ValkeySink {
         let groups = by_queue(&batch.tasks);
         let mut out = WriteOutcome::default();
         if !self.conn.is_cluster() {
-            // One pipeline, one round trip: SADD and the script calls of every queue.
+            // One pipeline, one round trip: SADD and the script calls of every queue. Errors
+            // come back per command, so one queue's refusal does not hide the others' results.
             let mut pipe = redis::pipe();
+            pipe.ignore_errors();
+            let mut calls = Vec::with_capacity(groups.len());
             for (q, tasks) in &groups {
-                pipe.cmd("SADD").arg(QUEUES_KEY).arg(*q).ignore();
-                self.add_scripts(&mut pipe, q, tasks, &now_ns);
+                pipe.cmd("SADD").arg(QUEUES_KEY).arg(*q);
+                calls.push(self.add_scripts(&mut pipe, batch, q, tasks, &now_ns));
             }
-            let results: Vec<Vec<i64>> = pipe.query_async(&mut self.conn.clone()).await?;
-            count(&results, &mut out);
+            let replies: Vec<Value> = pipe.query_async(&mut self.conn.clone()).await?;
+            let mut replies = replies.into_iter();
+            for c in &calls {
+                if let Some(sadd) = replies.next() {
+                    sadd.extract_error()?;
+                }
+                settle(c, replies.by_ref().take(c.chunks.len()), &mut out)?;
+            }
             return Ok(out);
         }
         // A cluster: one pipeline per queue (all its keys share the `{queue}` slot), sent
@@ -189,24 +272,28 @@ impl ValkeySink {
                 .query_async::<()>(&mut self.conn.clone())
                 .await
         };
-        let writes = futures::future::join_all(groups.iter().map(|(q, tasks)| {
+        let mut calls = Vec::with_capacity(groups.len());
+        let mut pipes = Vec::with_capacity(groups.len());
+        for (q, tasks) in &groups {
             let mut pipe = redis::pipe();
-            self.add_scripts(&mut pipe, q, tasks, &now_ns);
+            pipe.ignore_errors();
+            calls.push(self.add_scripts(&mut pipe, batch, q, tasks, &now_ns));
+            pipes.push(pipe);
+        }
+        let writes = futures::future::join_all(pipes.iter().map(|pipe| {
             let mut conn = self.conn.clone();
-            async move { pipe.query_async::<Vec<Vec<i64>>>(&mut conn).await }
+            async move { pipe.query_async::<Vec<Value>>(&mut conn).await }
         }));
         let (registered, written) = futures::future::join(register, writes).await;
         // Every queue's outcome is needed: a NOSCRIPT anywhere must be seen as such.
         let mut first_error = None;
-        for w in written {
-            match w {
-                Ok(results) => count(&results, &mut out),
-                Err(e) => {
-                    if first_error.is_none()
-                        || e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
-                    {
-                        first_error = Some(e);
-                    }
+        for (c, w) in calls.iter().zip(written) {
+            let settled = w.and_then(|replies| settle(c, replies.into_iter(), &mut out));
+            if let Err(e) = settled {
+                if first_error.is_none()
+                    || e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript)
+                {
+                    first_error = Some(e);
                 }
             }
         }
@@ -235,9 +322,7 @@ impl Sink for ValkeySink {
             let result = match this.write_once(&batch).await {
                 // A restarted server, or a replica promoted by a failover, may not have the
                 // script: load it and try once more.
-                Err(e)
-                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-                {
+                Err(e) if e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
                     tracing::info!(
                         "valkey lacked the enqueue script (restarted, or a replica promoted); \
                          loading it again"
@@ -255,5 +340,9 @@ impl Sink for ValkeySink {
             }
             result
         }
+    }
+
+    fn reset(&self) {
+        self.conn.reset();
     }
 }

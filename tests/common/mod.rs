@@ -487,7 +487,7 @@ impl Relay {
             .join()
             .await
             .expect_err("the relay should have failed");
-        outbox_relay::replication::stream::error_chain(&err)
+        outbox_relay::error_chain(&err)
     }
 }
 

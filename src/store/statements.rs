@@ -1,4 +1,4 @@
-//! SQL on the outbox table: claiming unpublished rows (FOR UPDATE SKIP LOCKED), marking them
+//! The SQL on the outbox table: claiming unpublished rows (FOR UPDATE SKIP LOCKED), marking them
 //! published or failed, dead letters and cleanup. Statement texts are built once per table.
 //!
 //! Rows are read as text (`::text`), the same representation the replication stream decodes,
@@ -111,10 +111,6 @@ impl Store {
     pub fn deleting_delivered(mut self, delete: bool) -> Self {
         self.delete_delivered = delete;
         self
-    }
-
-    pub fn table(&self) -> &TableName {
-        &self.table
     }
 
     /// Locks up to `limit` deliverable rows no other transaction holds, oldest id first. With

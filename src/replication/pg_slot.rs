@@ -1,0 +1,146 @@
+//! The slot and its connections on a real server: [`PgSlot`] implements [`SlotPort`] with
+//! tokio-postgres (the slot's SQL) and pgwire-replication (the stream), and
+//! `ReplicationClient` is the [`ReplicationSource`].
+
+use super::setup;
+use super::source::{ReplicationSource, SlotHolder, SlotPort, SlotState};
+use super::stream::StreamError;
+use crate::postgres::{PgError, PgTarget};
+use crate::tls::SslMode;
+use pgwire_replication::{
+    FeedbackObserver, Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent,
+};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// How often the connection sends a status update on its own (also while the session waits on
+/// Valkey), and wakes to do so. Well under the server's `wal_sender_timeout`.
+const STATUS_INTERVAL: Duration = Duration::from_secs(1);
+
+impl ReplicationSource for ReplicationClient {
+    async fn recv(&mut self) -> Result<Option<ReplicationEvent>, PgWireError> {
+        ReplicationClient::recv(self).await
+    }
+
+    fn update_applied_lsn(&self, lsn: Lsn) {
+        ReplicationClient::update_applied_lsn(self, lsn)
+    }
+
+    fn feedback_pending(&self) -> bool {
+        self.feedback_pending_since().is_some()
+    }
+
+    async fn shutdown(&mut self) {
+        let _ = ReplicationClient::shutdown(self).await;
+    }
+}
+
+/// One slot on one server.
+pub struct PgSlot {
+    pub pg: PgTarget,
+    pub slot: String,
+    pub publication: String,
+    /// Events buffered between the socket reader and the session.
+    pub buffer_events: usize,
+}
+
+impl PgSlot {
+    async fn start(
+        &self,
+        cfg: ReplicationConfig,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<ReplicationClient>, PgWireError> {
+        let mut client = ReplicationClient::connect(cfg).await?;
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(None),
+            r = client.wait_started() => r?,
+        }
+        Ok(Some(client))
+    }
+}
+
+/// pgwire-replication's text for a TLS handshake that failed after the server accepted TLS:
+/// under `sslmode=prefer`, libpq then tries again without TLS.
+fn tls_refused_after_accept(msg: &str) -> bool {
+    msg.starts_with("TLS handshake failed:")
+}
+
+impl SlotPort for PgSlot {
+    type Source = ReplicationClient;
+
+    async fn state(&self) -> Result<SlotState, StreamError> {
+        let client = self.pg.connect().await?;
+        Ok(match setup::slot_info(&client, &self.slot).await? {
+            Some(info) if info.wal_status.as_deref() == Some("lost") => SlotState::Invalidated,
+            Some(info) => SlotState::Ready(info.confirmed_flush),
+            None => SlotState::Missing,
+        })
+    }
+
+    async fn recreate(&self) -> Result<Lsn, StreamError> {
+        let client = self.pg.connect().await?;
+        setup::drop_slot(&client, &self.slot).await?;
+        Ok(setup::ensure_slot(&client, &self.slot)
+            .await?
+            .confirmed_flush)
+    }
+
+    async fn open(
+        &self,
+        start: Lsn,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<ReplicationClient>, StreamError> {
+        let cfg = self
+            .pg
+            .replication(&self.slot, &self.publication)
+            .with_start_lsn(start)
+            .with_ack_lsn(start)
+            .with_status_interval(STATUS_INTERVAL)
+            .with_wakeup_interval(STATUS_INTERVAL)
+            .with_buffer_size(self.buffer_events)
+            // Needed for feedback_pending_since(): the final ack is confirmed sent.
+            .with_feedback_observer(FeedbackObserver::new(|_| {}));
+        match self.start(cfg.clone(), shutdown).await {
+            Err(PgWireError::Tls(msg))
+                if self.pg.tls().mode == SslMode::Prefer && tls_refused_after_accept(&msg) =>
+            {
+                // As libpq under `prefer`: once more, without TLS.
+                self.pg.log_fallback(&msg);
+                let plain = cfg.with_tls(pgwire_replication::TlsConfig::disabled());
+                self.start(plain, shutdown).await
+            }
+            other => other,
+        }
+        .map_err(StreamError::Replication)
+    }
+
+    async fn holder(&self) -> Result<Option<SlotHolder>, StreamError> {
+        let client = self.pg.connect().await?;
+        // reply_time is visible to superusers and members of pg_read_all_stats only; for other
+        // roles it reads NULL even for a live walsender, which must not look silent.
+        let row = client
+            .query_opt(
+                "SELECT r.pid, r.reply_time::text, pg_has_role('pg_read_all_stats', 'USAGE') \
+                 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid \
+                 WHERE s.slot_name = $1",
+                &[&self.slot],
+            )
+            .await
+            .map_err(PgError::from)?;
+        Ok(row.map(|r| SlotHolder {
+            pid: r.get(0),
+            reply_time: r.get(1),
+            can_see_replies: r.get(2),
+        }))
+    }
+
+    async fn terminate(&self, pid: i32) -> Result<(), StreamError> {
+        let client = self.pg.connect().await?;
+        client
+            .execute("SELECT pg_terminate_backend($1)", &[&pid])
+            .await
+            .map_err(PgError::from)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,421 @@
+//! One replication connection's session: pgoutput in, batches to the writer, the LSN
+//! acknowledged only once the sink confirmed every task up to that commit.
+//!
+//! One `select! { biased; ... }` loop, in priority order:
+//! 1. shutdown;
+//! 2. write confirmations and failures (they free room and move the acknowledgement);
+//! 3. a full open batch goes out as soon as the writer has room;
+//! 4. the next replication event, while the open batch has room;
+//! 5. nothing to read right now: the open batch goes out unless a write is under way (rows
+//!    then gather while it travels: group commit), or it lingers while draining a backlog;
+//! 6. the linger timer.
+//!
+//! Rows are streamed into batches as they arrive, so a huge transaction never sits in memory;
+//! its commit is acknowledged once its last batch is confirmed. Status updates go out every
+//! second from the connection's own clock, also while this loop waits on Valkey, so the
+//! walsender never times out. A broken invariant ends the session at once: nothing more is
+//! acknowledged or marked, and the supervisor reconnects (Postgres replays from the last safe
+//! position).
+
+use super::ack::AckTracker;
+use super::invariant::InvariantViolation;
+use super::source::ReplicationSource;
+use super::stream::{StreamError, StreamSettings};
+use super::writer::{Writer, WriterEvent};
+use super::HEARTBEAT_PREFIX;
+use crate::error_chain::error_chain;
+use crate::marker::MarkerHandle;
+use crate::metrics::Metrics;
+use crate::pgoutput::{self, Decoded, OutboxColumn, OutboxInsert, RelationCache};
+use crate::sink::{Batch, Sink};
+use crate::task::{BadRow, RowText, TaskSettings};
+use crate::timer::sleep_until_opt;
+use pgwire_replication::{Lsn, ReplicationEvent};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// How a session ended without an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionEnd {
+    Shutdown,
+    ServerClosed,
+}
+
+/// A stream that is this far behind its commits (server send time minus commit time) is
+/// draining a backlog...
+const BEHIND_MICROS: i64 = 50_000;
+/// ...so its batches wait until their first row is this old, or full, rather than leaving as
+/// soon as nothing more is readable. Behind, the stream often reads faster than the walsender
+/// decodes, and sending each short read as its own write costs the relay and Valkey more CPU per
+/// event (CPU that, on a shared host, the walsender then lacks). Caught up, nothing waits: a
+/// batch leaves as soon as nothing more is readable.
+const LINGER: Duration = Duration::from_millis(2);
+/// After shutdown, how long the final acknowledgement may take to reach the server, and the
+/// connection to close.
+const FINAL_ACK_WAIT: Duration = Duration::from_secs(3);
+
+/// What the session needs from the relay, borrowed.
+pub struct SessionContext<'a, S: Sink> {
+    pub settings: &'a StreamSettings,
+    pub tasks: &'a TaskSettings,
+    pub sink: &'a S,
+    pub metrics: &'a Arc<Metrics>,
+    pub marker: Option<&'a MarkerHandle>,
+}
+
+/// State of one replication connection.
+pub struct Session<'a, S: Sink> {
+    cx: SessionContext<'a, S>,
+    /// Table definitions seen on this connection.
+    relations: RelationCache,
+    /// Which LSN may be acknowledged.
+    ack: AckTracker,
+    /// The LSN last handed to the connection.
+    reported: Lsn,
+    /// The batch being filled.
+    open: Batch,
+    /// Batches handed to the sink and not yet confirmed.
+    writer: Writer<S>,
+    /// Reused buffer for task payloads.
+    scratch: Vec<u8>,
+    /// The current transaction's final LSN, for logs.
+    txn_lsn: Lsn,
+    /// The current transaction's commit time, unix microseconds.
+    txn_commit_micros: i64,
+    /// When the server sent the last change, unix microseconds (the server's clock, like the
+    /// commit time, so their difference is the stream's lag without any clock skew).
+    sent_micros: i64,
+    /// When the first row of `open` arrived.
+    open_since: Option<Instant>,
+    /// `open` waits until then for more rows (see [`LINGER`]).
+    linger_at: Option<Instant>,
+}
+
+impl<'a, S: Sink> Session<'a, S> {
+    /// A session resuming at `start`, the slot's confirmed position.
+    pub fn new(cx: SessionContext<'a, S>, start: Lsn) -> Self {
+        let writer = Writer::new(
+            cx.sink.clone(),
+            cx.settings.max_inflight,
+            cx.settings.write_timeout,
+            cx.metrics.clone(),
+        );
+        Self {
+            relations: RelationCache::new(cx.settings.table.clone()),
+            ack: AckTracker::new(start),
+            reported: start,
+            open: Batch::default(),
+            writer,
+            scratch: Vec::with_capacity(4096),
+            txn_lsn: Lsn::ZERO,
+            txn_commit_micros: 0,
+            sent_micros: 0,
+            open_since: None,
+            linger_at: None,
+            cx,
+        }
+    }
+
+    /// The position acknowledged so far.
+    pub fn acked(&self) -> Lsn {
+        self.ack.acked()
+    }
+
+    /// Whether the stream is draining a backlog.
+    fn behind(&self) -> bool {
+        self.sent_micros - self.txn_commit_micros > BEHIND_MICROS
+    }
+
+    fn open_full(&self) -> bool {
+        self.open.len() >= self.cx.settings.batch_rows
+            || self.open.bytes >= self.cx.settings.batch_bytes
+    }
+
+    /// Streams until shutdown, the server closing, or an error.
+    pub async fn run(
+        &mut self,
+        source: &mut impl ReplicationSource,
+        shutdown: &CancellationToken,
+    ) -> Result<SessionEnd, StreamError> {
+        loop {
+            tokio::select! {
+                biased;
+                // 1
+                _ = shutdown.cancelled() => return Ok(SessionEnd::Shutdown),
+                // 2
+                ev = self.writer.next(), if self.writer.busy() => self.on_write(ev?, source)?,
+                // 3
+                _ = std::future::ready(()), if self.open_full() && self.writer.can_send() => {
+                    self.dispatch()?;
+                }
+                // 4
+                ev = source.recv(), if !self.open_full() => match ev {
+                    Ok(Some(ev)) => self.on_event(ev, source)?,
+                    Ok(None) => return Ok(SessionEnd::ServerClosed),
+                    Err(e) => return Err(StreamError::Replication(e)),
+                },
+                // 5
+                _ = std::future::ready(()), if !self.open.is_empty() && !self.writer.busy() && self.linger_at.is_none() => {
+                    match self.open_since {
+                        Some(since) if self.behind() => self.linger_at = Some(since + LINGER),
+                        _ => self.dispatch()?,
+                    }
+                }
+                // 6
+                _ = sleep_until_opt(self.linger_at), if self.linger_at.is_some() && !self.writer.busy() => {
+                    self.dispatch()?;
+                }
+            }
+        }
+    }
+
+    fn dispatch(&mut self) -> Result<(), InvariantViolation> {
+        self.open_since = None;
+        self.linger_at = None;
+        let seq = self.ack.seal();
+        let batch = std::mem::take(&mut self.open);
+        self.writer.send(seq, batch)
+    }
+
+    fn report(&mut self, source: &impl ReplicationSource) {
+        let acked = self.ack.acked();
+        if acked > self.reported {
+            source.update_applied_lsn(acked);
+            self.reported = acked;
+            self.cx.metrics.acked_lsn.set(acked.0);
+        }
+    }
+
+    fn on_write(
+        &mut self,
+        ev: WriterEvent,
+        source: &impl ReplicationSource,
+    ) -> Result<(), InvariantViolation> {
+        match ev {
+            WriterEvent::Confirmed {
+                seq,
+                batch,
+                outcome,
+            } => {
+                let m = self.cx.metrics;
+                m.published.inc_by(outcome.delivered() as u64);
+                m.duplicates.inc_by(outcome.duplicates as u64);
+                tracing::debug!(
+                    seq,
+                    tasks = batch.len(),
+                    duplicates = outcome.duplicates,
+                    rejected = outcome.rejected.len(),
+                    "batch confirmed"
+                );
+                self.ack.confirmed(seq)?;
+                self.report(source);
+                observe_latency(&m.delivery_latency, &batch.commit_times);
+                let mut rejected = outcome.rejected.iter().map(|r| r.index).peekable();
+                let mut delivered = Vec::with_capacity(batch.len());
+                for (i, task) in batch.tasks.iter().enumerate() {
+                    if rejected.peek() == Some(&i) {
+                        rejected.next();
+                        continue;
+                    }
+                    delivered.extend(task.row_id);
+                }
+                for r in &outcome.rejected {
+                    let task = &batch.tasks[r.index];
+                    tracing::warn!(
+                        event_id = %task.id,
+                        queue = %task.queue,
+                        reason = %r.reason,
+                        "valkey refused the task; its row stays unpublished for the recovery poller"
+                    );
+                }
+                m.rows_rejected.inc_by(outcome.rejected.len() as u64);
+                if let Some(marker) = self.cx.marker {
+                    marker.mark(delivered);
+                }
+            }
+            WriterEvent::Failed { error, retry_in } => {
+                tracing::warn!(
+                    error = %error_chain(&error),
+                    retry_in_ms = retry_in.as_millis() as u64,
+                    "valkey write failed; holding the acknowledgement and retrying"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn on_event(
+        &mut self,
+        ev: ReplicationEvent,
+        source: &impl ReplicationSource,
+    ) -> Result<(), StreamError> {
+        match ev {
+            ReplicationEvent::Begin {
+                final_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                self.txn_lsn = final_lsn;
+                self.txn_commit_micros = commit_time_micros + PG_EPOCH_UNIX_MICROS;
+                self.ack.begin()?;
+            }
+            ReplicationEvent::XLogData {
+                data,
+                server_time_micros,
+                ..
+            } => {
+                self.sent_micros = server_time_micros + PG_EPOCH_UNIX_MICROS;
+                self.on_data(&data)?
+            }
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                self.ack.commit(end_lsn)?;
+                self.report(source);
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                self.ack.idle_position(wal_end);
+                self.report(source);
+            }
+            ReplicationEvent::Message {
+                transactional: false,
+                lsn,
+                prefix,
+                ..
+            } => {
+                if prefix == HEARTBEAT_PREFIX {
+                    self.cx.metrics.health.heartbeat_seen(lsn.0);
+                }
+                self.ack.idle_position(lsn);
+                self.report(source);
+            }
+            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+        }
+        Ok(())
+    }
+
+    fn on_data(&mut self, data: &[u8]) -> Result<(), StreamError> {
+        match pgoutput::decode(data, &mut self.relations).map_err(StreamError::Decode)? {
+            Decoded::Relation { relation_id } => {
+                let rel = self.relations.get(relation_id);
+                if let Some(missing) = rel.and_then(|r| r.outbox_map()).map(|m| m.missing()) {
+                    if !missing.is_empty() {
+                        tracing::error!(
+                            table = %self.cx.settings.table,
+                            missing = ?missing.iter().map(|c| c.name()).collect::<Vec<_>>(),
+                            "the outbox table lost required columns: its rows cannot become tasks \
+                             and stay unpublished until the table is fixed"
+                        );
+                    }
+                }
+            }
+            Decoded::Insert(row) => self.on_insert(&row)?,
+            Decoded::OtherInsert { .. } | Decoded::Ignored(_) => {}
+        }
+        Ok(())
+    }
+
+    fn on_insert(&mut self, row: &OutboxInsert<'_>) -> Result<(), InvariantViolation> {
+        let event_id = row.text(OutboxColumn::EventId).ok().flatten().unwrap_or("");
+        let event_name = row
+            .text(OutboxColumn::EventName)
+            .ok()
+            .flatten()
+            .unwrap_or("");
+        let built = row_text(row).and_then(|text| self.cx.tasks.build(&text, &mut self.scratch));
+        match built {
+            Ok(task) => {
+                if self.open.is_empty() {
+                    self.open_since = Some(Instant::now());
+                }
+                self.open.push_committed(task, self.txn_commit_micros);
+                self.ack.row()?;
+            }
+            Err(bad) => {
+                tracing::warn!(
+                    event_id,
+                    event_name,
+                    lsn = %self.txn_lsn,
+                    reason = %bad,
+                    "row cannot become a task; left unpublished for the recovery path"
+                );
+                self.cx.metrics.bad_row(event_name, bad.reason());
+            }
+        }
+        Ok(())
+    }
+
+    /// Graceful end: send what is open, wait (bounded by the shutdown timeout) for the writes,
+    /// retrying failed ones, send the final acknowledgement and make sure it reached the server.
+    /// Whatever is still unconfirmed at the deadline is not acknowledged: Postgres replays it.
+    pub async fn finish(&mut self, source: &mut impl ReplicationSource) {
+        if let Err(e) = self.finish_writes(source).await {
+            self.cx.metrics.invariant_violations.inc();
+            tracing::error!(error = %e, "stopping without the final acknowledgement");
+        }
+        let sent_by = Instant::now() + FINAL_ACK_WAIT;
+        while source.feedback_pending() && Instant::now() < sent_by {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tracing::info!(lsn = %self.ack.acked(), "final acknowledgement sent");
+        let _ = tokio::time::timeout(FINAL_ACK_WAIT, source.shutdown()).await;
+    }
+
+    async fn finish_writes(
+        &mut self,
+        source: &mut impl ReplicationSource,
+    ) -> Result<(), InvariantViolation> {
+        let deadline = Instant::now() + self.cx.settings.shutdown_timeout;
+        while !self.open.is_empty() || self.writer.busy() {
+            if !self.open.is_empty() && self.writer.can_send() {
+                self.dispatch()?;
+            }
+            tokio::select! {
+                biased;
+                ev = self.writer.next() => {
+                    let ev = ev?;
+                    if let WriterEvent::Failed { error, .. } = &ev {
+                        tracing::warn!(error = %error_chain(error), "write failed during shutdown; retrying until the shutdown deadline");
+                    }
+                    self.on_write(ev, source)?;
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!("shutdown deadline reached; unconfirmed batches are not acknowledged and will be replayed");
+                    break;
+                }
+            }
+        }
+        self.report(source);
+        Ok(())
+    }
+}
+
+/// Postgres timestamps count microseconds from 2000-01-01.
+const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
+
+/// Commit-to-confirmation latency of every task of a confirmed batch.
+fn observe_latency(h: &prometheus_client::metrics::histogram::Histogram, commits: &[(i64, u32)]) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64);
+    for &(at, n) in commits {
+        let secs = (now - at).max(0) as f64 / 1e6;
+        for _ in 0..n {
+            h.observe(secs);
+        }
+    }
+}
+
+/// The text columns of an outbox insert.
+fn row_text<'r>(row: &OutboxInsert<'r>) -> Result<RowText<'r>, BadRow> {
+    let get = |c: OutboxColumn| row.text(c).map_err(|e| BadRow::Column(e.to_string()));
+    let req = |c: OutboxColumn| get(c)?.ok_or(BadRow::MissingColumn(c.name()));
+    Ok(RowText {
+        id: get(OutboxColumn::Id)?,
+        event_id: req(OutboxColumn::EventId)?,
+        event_name: req(OutboxColumn::EventName)?,
+        payload: req(OutboxColumn::Payload)?,
+        metadata: get(OutboxColumn::Metadata)?,
+        created_at: req(OutboxColumn::CreatedAt)?,
+    })
+}

@@ -1,0 +1,175 @@
+//! The invariants, checked as the simulation runs:
+//! - at every acknowledgement (when the relay hands a position to its connection, and when the
+//!   slot's confirmed position moves): it never passes a commit one of whose rows has no task, unless the row cannot become one (a bad row) or Valkey refused it for good
+//!   (both stay unpublished for the poller);
+//! - at every mark: no row is marked or deleted before its task exists, and no bad row is;
+//! - at the end, once faults stopped: every committed row ends with exactly one task and is
+//!   marked (or, bad or refused rows, is a dead letter / waits unpublished), and per queue the
+//!   first enqueues the stream made follow commit order.
+//!
+//! Violations are collected (the first one ends the run).
+
+use super::db::{Row, State};
+use super::valkey::{SimValkey, Writer};
+use pgwire_replication::Lsn;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use tokio::time::Instant;
+
+#[derive(Default)]
+struct Inner {
+    violations: Vec<String>,
+    /// WAL transactions before this index were checked by an acknowledgement.
+    checked: usize,
+    /// The slot was (re)created here: commits before it are the poller's.
+    slot_base: Lsn,
+}
+
+#[derive(Clone)]
+pub struct Checker {
+    inner: Arc<Mutex<Inner>>,
+    valkey: SimValkey,
+    start: Instant,
+}
+
+/// Unix microseconds at the simulation's start (any fixed value works).
+const SIM_EPOCH_MICROS: i64 = 1_764_000_000_000_000;
+
+impl Checker {
+    pub fn new(valkey: SimValkey) -> Self {
+        Self {
+            inner: Arc::default(),
+            valkey,
+            start: Instant::now(),
+        }
+    }
+
+    pub fn start(&self) -> Instant {
+        self.start
+    }
+
+    /// The simulation's wall clock, unix microseconds.
+    pub fn sim_micros(&self) -> i64 {
+        SIM_EPOCH_MICROS + Instant::now().duration_since(self.start).as_micros() as i64
+    }
+
+    pub fn violate(&self, msg: String) {
+        self.inner.lock().unwrap().violations.push(msg);
+    }
+
+    /// Violations so far (the checker's and the simulated Valkey's).
+    pub fn violations(&self) -> Vec<String> {
+        let mut v = self.inner.lock().unwrap().violations.clone();
+        v.extend(self.valkey.st.lock().unwrap().violations.iter().cloned());
+        v
+    }
+
+    pub fn slot_recreated(&self, at: Lsn, wal: &State) {
+        let mut inner = self.inner.lock().unwrap();
+        inner.slot_base = at;
+        inner.checked = inner
+            .checked
+            .max(wal.wal.partition_point(|t| t.end_lsn <= at));
+    }
+
+    fn has_task(&self, r: &Row) -> bool {
+        self.valkey.exists(&r.queue, &r.event_id)
+    }
+
+    fn refused(&self, r: &Row) -> bool {
+        self.valkey
+            .st
+            .lock()
+            .unwrap()
+            .rejected
+            .contains(&r.event_id)
+    }
+
+    /// The slot's confirmed position moved to `lsn`.
+    pub fn on_ack(&self, st: &State, lsn: Lsn) {
+        let mut inner = self.inner.lock().unwrap();
+        while let Some(txn) = st.wal.get(inner.checked) {
+            if txn.end_lsn > lsn {
+                break;
+            }
+            inner.checked += 1;
+            if txn.end_lsn <= inner.slot_base {
+                continue;
+            }
+            for id in &txn.rows {
+                let r = &st.rows[id];
+                if r.good && !self.has_task(r) && !self.refused(r) {
+                    inner.violations.push(format!(
+                        "acknowledged {lsn} past commit {} whose row {} ({}, queue {}) has no task",
+                        txn.end_lsn, r.id, r.event_id, r.queue
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Row `r` is being marked published (or deleted) by `by`.
+    pub fn on_mark(&self, r: &Row, by: &str) {
+        if !r.good {
+            self.violate(format!("{by} marked bad row {} published", r.id));
+        } else if !self.has_task(r) {
+            self.violate(format!(
+                "{by} marked row {} ({}, queue {}) published before its task exists",
+                r.id, r.event_id, r.queue
+            ));
+        }
+    }
+
+    /// Once faults stopped and the relays had time: every row delivered exactly once and
+    /// settled, or (bad or refused) left to the poller; per queue, the stream's first enqueues
+    /// in commit order.
+    pub fn at_end(&self, st: &State) {
+        let vk = self.valkey.st.lock().unwrap();
+        let mut created: BTreeMap<(&str, &str), (usize, Writer)> = BTreeMap::new();
+        for (i, c) in vk.created.iter().enumerate() {
+            if created.insert((&c.queue, &c.id), (i, c.by)).is_some() {
+                self.violate(format!("task {} of queue {} created twice", c.id, c.queue));
+            }
+        }
+        let mut by_queue: BTreeMap<&str, Vec<(usize, i64)>> = BTreeMap::new();
+        for r in st.rows.values() {
+            let task = created.get(&(r.queue.as_str(), r.event_id.as_str()));
+            let refused = vk.rejected.contains(&r.event_id);
+            match (r.good, task) {
+                (false, Some(_)) => self.violate(format!("bad row {} became a task", r.id)),
+                (false, None) if r.settled() => {
+                    self.violate(format!("bad row {} was marked published", r.id))
+                }
+                (false, None) if r.attempts == 0 => self.violate(format!(
+                    "bad row {} was never attempted by the poller",
+                    r.id
+                )),
+                (true, None) if !(refused && r.dead) => self.violate(format!(
+                    "row {} ({}, queue {}, commit {}) was never delivered (published {}, dead {}, \
+                     refused {refused})",
+                    r.id, r.event_id, r.queue, r.end_lsn, r.published, r.dead
+                )),
+                (true, Some(_)) if !r.settled() => self.violate(format!(
+                    "row {} was delivered but never marked published",
+                    r.id
+                )),
+                (true, Some((i, Writer::Stream(_)))) if !refused => {
+                    by_queue.entry(&r.queue).or_default().push((*i, r.id));
+                }
+                _ => {}
+            }
+        }
+        for (queue, mut firsts) in by_queue {
+            firsts.sort();
+            for w in firsts.windows(2) {
+                if w[1].1 < w[0].1 {
+                    self.violate(format!(
+                        "queue {queue}: row {} (committed later) was enqueued before row {}",
+                        w[0].1, w[1].1
+                    ));
+                    break;
+                }
+            }
+        }
+    }
+}
