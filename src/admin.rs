@@ -1,6 +1,8 @@
 //! Operator commands on the outbox table: dead letters and cleanup (also run periodically inside
 //! `run` when configured). Long work logs its progress at a steady interval.
 
+use crate::command::{self, CommandError};
+use crate::config::{CleanupArgs, DeadLettersCommand};
 use crate::store::{DeadLetter, Store};
 use std::fmt::Write;
 use std::time::{Duration, Instant};
@@ -93,4 +95,32 @@ pub fn render_dead_letters(rows: &[DeadLetter]) -> String {
     }
     let _ = writeln!(s, "{} dead letter(s)", rows.len());
     s
+}
+
+/// `outbox-relay cleanup`: deletes old published rows, then says how many.
+pub async fn execute_cleanup(args: &CleanupArgs) -> Result<(), CommandError> {
+    let client = args.db.target()?.connect().await?;
+    let store = Store::new(args.db.table.clone());
+    let n = cleanup(&client, &store, args.older_than, args.batch).await?;
+    println!("deleted {n} published row(s)");
+    Ok(())
+}
+
+/// `outbox-relay dead-letters list|retry`.
+pub async fn execute_dead_letters(cmd: &DeadLettersCommand) -> Result<(), CommandError> {
+    match cmd {
+        DeadLettersCommand::List { db, json } => {
+            let client = db.target()?.connect().await?;
+            let rows = Store::new(db.table.clone()).dead_letters(&client).await?;
+            command::print(*json, rows.as_slice(), render_dead_letters)
+        }
+        DeadLettersCommand::Retry { db, all, event_id } => {
+            let client = db.target()?.connect().await?;
+            let store = Store::new(db.table.clone());
+            let ids = (!all).then_some(event_id.as_slice());
+            let n = store.retry_dead_letters(&client, ids).await?;
+            println!("{n} dead letter(s) will be delivered again");
+            Ok(())
+        }
+    }
 }

@@ -1,6 +1,8 @@
 //! `outbox-relay peek`: the pending tasks of a queue as asynq workers will see them, decoded.
 //! An operator tool: it prints task payloads to stdout on request (logs never carry them).
 
+use crate::command::{self, CommandError};
+use crate::config::PeekArgs;
 use crate::sink::valkey::{pending_key, task_key};
 use crate::task::TaskMessage;
 use prost::Message;
@@ -74,4 +76,16 @@ pub fn render(tasks: &[PendingTask]) -> String {
         );
     }
     s
+}
+
+/// `outbox-relay peek`: prints the oldest pending tasks of the queue.
+pub async fn execute(args: &PeekArgs) -> Result<(), CommandError> {
+    let mut conn = args.valkey.target()?.connect().await.map_err(|source| {
+        CommandError::ValkeyUnreachable {
+            at: args.valkey.display(),
+            source,
+        }
+    })?;
+    let tasks = peek(&mut conn, &args.queue, args.limit).await?;
+    command::print(args.json, tasks.as_slice(), render)
 }

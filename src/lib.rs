@@ -17,6 +17,8 @@
 //! - [`producer`]: the application side: an outbox row inserted in the caller's transaction.
 //! - [`store`]: the SQL on the outbox table (claim, mark, dead letters, cleanup).
 //! - [`admin`]: operator commands (dead letters, cleanup).
+//! - [`command`]: what a subcommand fails with; how operator commands print.
+//! - [`daemon`]: `run` as a process: signals, the HTTP endpoint, the relay until shutdown.
 //! - [`postgres`]: connections (SQL and replication parameters) from one URL.
 //! - [`migrate`]: the embedded goose migrations.
 //! - [`relay`]: `run` wiring: checks, then the stream until shutdown.
@@ -30,7 +32,9 @@
 
 pub mod admin;
 pub mod backoff;
+pub mod command;
 pub mod config;
+pub mod daemon;
 pub mod error_chain;
 pub mod health;
 pub mod http;

@@ -57,7 +57,7 @@ pub struct Metrics {
     pub poller_delivered: Counter,
     /// The replication slot was found missing or invalidated.
     pub slot_lost: Counter,
-    /// Rows the stream marked published.
+    /// Rows the stream marked published, or deleted with `OUTBOX_DELETE_DELIVERED`.
     pub marked: Counter,
     /// Row ids not marked because the marking queue was full (the poller re-sends them).
     pub mark_dropped: Counter,
@@ -188,7 +188,7 @@ impl Metrics {
             ),
             (
                 "outbox_rows_marked",
-                "Rows the stream marked published",
+                "Rows the stream marked published, or deleted with OUTBOX_DELETE_DELIVERED",
                 &m.marked,
             ),
             (
@@ -246,11 +246,6 @@ impl Metrics {
             m.invariant_violations.clone(),
         );
         m
-    }
-
-    /// Metrics registered nowhere, for tests and tools.
-    pub fn unregistered() -> Self {
-        Self::new(&mut Registry::default())
     }
 
     /// Counts a row that could not become a task.

@@ -6,6 +6,8 @@
 //! A table or publication name other than the defaults is substituted into the SQL (names are
 //! validated identifiers).
 
+use crate::command::CommandError;
+use crate::config::MigrateArgs;
 use crate::pgoutput::TableName;
 
 /// The migrations, in order: (file name, SQL).
@@ -129,6 +131,21 @@ pub async fn migrate(
         tracing::info!(file, "migration applied");
     }
     tx.commit().await.map_err(MigrateError::Transaction)
+}
+
+/// `outbox-relay migrate`: applies the migrations, then logs what it did.
+pub async fn execute(args: &MigrateArgs) -> Result<(), CommandError> {
+    let mut client = args.db.target()?.connect().await?;
+    migrate(
+        &mut client,
+        &args.db.table,
+        &args.db.publication,
+        args.with_notify_trigger,
+    )
+    .await
+    .map_err(CommandError::Migrate)?;
+    tracing::info!(table = %args.db.table, publication = %args.db.publication, "migrations applied");
+    Ok(())
 }
 
 #[cfg(test)]

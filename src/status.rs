@@ -1,6 +1,8 @@
 //! `outbox-relay status`: the slot, the publication, the backlog in the table, dead letters
 //! and the pending tasks per Valkey queue, as a compact table or JSON. Never prints secrets.
 
+use crate::command::{self, CommandError};
+use crate::config::StatusArgs;
 use crate::pgoutput::TableName;
 use crate::sink::valkey::{pending_key, QUEUES_KEY};
 use crate::store::Store;
@@ -197,4 +199,26 @@ pub fn render(s: &Status) -> String {
         }
     }
     out
+}
+
+/// `outbox-relay status`: collects and prints; Valkey being unreachable is reported, not an
+/// error.
+pub async fn execute(args: &StatusArgs) -> Result<(), CommandError> {
+    let client = args.db.target()?.connect().await?;
+    let valkey = match args.valkey.target()?.connect().await {
+        Ok(conn) => Some(conn),
+        Err(e) => {
+            tracing::warn!(error = %e, valkey = %args.valkey.display(), "valkey unreachable");
+            None
+        }
+    };
+    let status = collect(
+        &client,
+        valkey,
+        &args.db.table,
+        &args.db.publication,
+        &args.slot,
+    )
+    .await?;
+    command::print(args.json, &status, render)
 }

@@ -1,0 +1,177 @@
+//! Settings that carry secrets: one [`Secret`] type for every setting given either as a value
+//! or as a file holding it (`X` and `X_FILE`, a mounted secret), and [`redact_url`] for
+//! messages that name a server.
+//!
+//! Both halves of a pair parse to a `Secret` that remembers the setting it came from (for
+//! messages) and never shows its value; clap refuses a pair given both ways.
+
+use clap::builder::{StringValueParser, TypedValueParser};
+use std::ffi::OsStr;
+use std::path::PathBuf;
+
+/// A secret setting's value, and where it came from. Its `Debug` never shows the value.
+#[derive(Clone)]
+pub struct Secret {
+    value: String,
+    /// The environment variable of the setting, named in messages.
+    setting: String,
+    /// The file the value was read from (`*_FILE` settings).
+    file: Option<PathBuf>,
+}
+
+impl Secret {
+    /// A value given directly as `setting`.
+    pub fn given(setting: &str, value: impl Into<String>) -> Self {
+        Self {
+            value: value.into(),
+            setting: setting.to_owned(),
+            file: None,
+        }
+    }
+
+    /// The secret itself (never log it).
+    pub fn value(&self) -> &str {
+        &self.value
+    }
+
+    /// The setting it came from, e.g. `OUTBOX_DATABASE_URL_FILE`.
+    pub fn setting(&self) -> &str {
+        &self.setting
+    }
+
+    /// The value of a value-or-file pair: the value when given, else the file's contents (clap
+    /// refuses both).
+    pub fn either<'a>(given: &'a Option<Secret>, file: &'a Option<Secret>) -> Option<&'a Secret> {
+        given.as_ref().or(file.as_ref())
+    }
+
+    /// clap's parser of a secret given as a value.
+    pub fn value_parser() -> SecretParser {
+        SecretParser { from_file: false }
+    }
+
+    /// clap's parser of a `*_FILE` setting: the file is read when the command line is parsed,
+    /// so an unreadable file is a configuration error (exit code 2) naming the setting.
+    pub fn file_parser() -> SecretParser {
+        SecretParser { from_file: true }
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.file {
+            Some(path) => write!(f, "Secret({} from {})", self.setting, path.display()),
+            None => write!(f, "Secret({})", self.setting),
+        }
+    }
+}
+
+/// Parses one half of a value-or-file pair into a [`Secret`] named after the argument's
+/// environment variable.
+#[derive(Debug, Clone, Copy)]
+pub struct SecretParser {
+    from_file: bool,
+}
+
+impl TypedValueParser for SecretParser {
+    type Value = Secret;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &OsStr,
+    ) -> Result<Secret, clap::Error> {
+        let setting = arg
+            .and_then(clap::Arg::get_env)
+            .map(|env| env.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if self.from_file {
+            let (path, value) = read_secret_file.parse_ref(cmd, arg, value)?;
+            Ok(Secret {
+                value,
+                setting,
+                file: Some(path),
+            })
+        } else {
+            let value = StringValueParser::new().parse_ref(cmd, arg, value)?;
+            Ok(Secret::given(&setting, value))
+        }
+    }
+}
+
+/// A `*_FILE` setting's file: its contents with trailing line breaks removed. The message never
+/// quotes the contents.
+fn read_secret_file(path: &str) -> Result<(PathBuf, String), String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let text = String::from_utf8(bytes).map_err(|_| format!("{path} is not UTF-8 text"))?;
+    let value = text.trim_end_matches(['\n', '\r']).to_owned();
+    if value.is_empty() {
+        return Err(format!("{path} is empty"));
+    }
+    Ok((PathBuf::from(path), value))
+}
+
+/// A URL with its password replaced by `***`, for messages: the password of the authority,
+/// and the `pass`/`password` query parameters (Unix-socket URLs carry it there).
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            let secret = |k: &str| matches!(k, "pass" | "password");
+            if u.query_pairs().any(|(k, _)| secret(&k)) {
+                let pairs: Vec<(String, String)> = u
+                    .query_pairs()
+                    .map(|(k, v)| {
+                        let v = if secret(&k) {
+                            "***".into()
+                        } else {
+                            v.into_owned()
+                        };
+                        (k.into_owned(), v)
+                    })
+                    .collect();
+                u.query_pairs_mut().clear().extend_pairs(pairs);
+            }
+            u.to_string()
+        }
+        Err(_) => "<unparseable url>".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_the_value() {
+        let s = Secret::given("OUTBOX_DATABASE_URL", "postgres://u:hunter2@h/d");
+        assert_eq!(format!("{s:?}"), "Secret(OUTBOX_DATABASE_URL)");
+        assert_eq!(s.value(), "postgres://u:hunter2@h/d");
+    }
+
+    #[test]
+    fn files_lose_trailing_line_breaks_and_must_not_be_empty() {
+        let dir = std::env::temp_dir().join(format!("secret-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("pw");
+        std::fs::write(&file, "s3cret\r\n\n").unwrap();
+        let (_, value) = read_secret_file(file.to_str().unwrap()).unwrap();
+        assert_eq!(value, "s3cret");
+        std::fs::write(&file, "\n").unwrap();
+        let err = read_secret_file(file.to_str().unwrap()).unwrap_err();
+        assert!(err.ends_with("is empty"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn urls_are_redacted() {
+        assert_eq!(redact_url("redis://u:secret@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(
+            redact_url("redis+unix:///run/valkey.sock?db=2&pass=secret"),
+            "redis+unix:///run/valkey.sock?db=2&pass=***"
+        );
+    }
+}
