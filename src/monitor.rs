@@ -14,6 +14,7 @@ pub use crate::replication::HEARTBEAT_PREFIX;
 /// How the monitor runs.
 #[derive(Debug, Clone)]
 pub struct MonitorSettings {
+    /// How long the monitor sleeps between two rounds of observation.
     pub interval: Duration,
     /// Emit a heartbeat through the slot this often (stream mode), if set.
     pub heartbeat: Option<Duration>,
@@ -23,11 +24,18 @@ pub struct MonitorSettings {
     pub slot: Option<String>,
 }
 
+/// The periodic observer of one relay; [`Monitor::run`] until shutdown.
 pub struct Monitor {
+    /// Connections for the counts, the slot's lag and the heartbeat: shared with the relay's
+    /// other SQL work, so an unreachable Postgres shows here as a failed checkout.
     pub pool: deadpool_postgres::Pool,
+    /// The outbox table's queries (unpublished rows, dead letters).
     pub store: Store,
+    /// The connection PINGed for Valkey's reachability.
     pub valkey: crate::valkey::ValkeyConnection,
+    /// How often to observe, and whether to emit heartbeats and watch for a stall.
     pub settings: MonitorSettings,
+    /// Where the observations go: the gauges, and the health `/readyz` answers from.
     pub metrics: Arc<Metrics>,
 }
 

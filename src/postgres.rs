@@ -122,7 +122,7 @@ impl PgTarget {
     /// without TLS, as libpq does; stricter modes fail.
     async fn open(&self) -> Result<Connected, tokio_postgres::Error> {
         match self.config.connect(self.connector.clone()).await {
-            Err(e) if self.tls.mode == SslMode::Prefer && tls_handshake_failed(&e) => {
+            Err(e) if self.tls.mode == SslMode::Prefer && failed_in_tls_handshake(&e) => {
                 self.log_fallback(&e);
                 let mut plain = self.config.clone();
                 plain.ssl_mode(tokio_postgres::config::SslMode::Disable);
@@ -284,8 +284,10 @@ struct MarkedTls(MakeRustlsConnect);
 #[error("{0}")]
 struct TlsHandshakeFailed(Box<dyn std::error::Error + Send + Sync>);
 
-/// Whether `e` is the failure of the TLS handshake itself.
-fn tls_handshake_failed(e: &tokio_postgres::Error) -> bool {
+/// Whether `e` came out of the TLS handshake (the error [`MarkedConnect`] wraps), rather than
+/// from the TCP connection before it or the authentication after it: under `prefer`, only such
+/// a failure is worth a second attempt without TLS.
+fn failed_in_tls_handshake(e: &tokio_postgres::Error) -> bool {
     std::error::Error::source(e).is_some_and(|s| s.downcast_ref::<TlsHandshakeFailed>().is_some())
 }
 

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 #[derive(Clone)]
 pub struct Secret {
     value: String,
-    /// The environment variable of the setting, named in messages.
+    /// The setting's environment variable (or flag), named in messages.
     setting: String,
     /// The file the value was read from (`*_FILE` settings).
     file: Option<PathBuf>,
@@ -67,7 +67,7 @@ impl std::fmt::Debug for Secret {
 }
 
 /// Parses one half of a value-or-file pair into a [`Secret`] named after the argument's
-/// environment variable.
+/// environment variable (or its flag).
 #[derive(Debug, Clone, Copy)]
 pub struct SecretParser {
     from_file: bool,
@@ -82,10 +82,7 @@ impl TypedValueParser for SecretParser {
         arg: Option<&clap::Arg>,
         value: &OsStr,
     ) -> Result<Secret, clap::Error> {
-        let setting = arg
-            .and_then(clap::Arg::get_env)
-            .map(|env| env.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let setting = arg.map(setting_name).unwrap_or_default();
         if self.from_file {
             let (path, value) = read_secret_file.parse_ref(cmd, arg, value)?;
             Ok(Secret {
@@ -97,6 +94,16 @@ impl TypedValueParser for SecretParser {
             let value = StringValueParser::new().parse_ref(cmd, arg, value)?;
             Ok(Secret::given(&setting, value))
         }
+    }
+}
+
+/// The name messages give a setting: its environment variable, or its flag when it has none
+/// (a command line built without environment lookups).
+fn setting_name(arg: &clap::Arg) -> String {
+    match (arg.get_env(), arg.get_long()) {
+        (Some(env), _) => env.to_string_lossy().into_owned(),
+        (None, Some(long)) => format!("--{long}"),
+        (None, None) => arg.get_id().to_string(),
     }
 }
 
@@ -164,6 +171,20 @@ mod tests {
         let err = read_secret_file(file.to_str().unwrap()).unwrap_err();
         assert!(err.ends_with("is empty"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_secret_is_named_after_its_variable_or_else_its_flag() {
+        use clap::{Arg, Command};
+        let parse = |arg: Arg| {
+            let m = Command::new("t")
+                .arg(arg.value_parser(Secret::value_parser()))
+                .try_get_matches_from(["t", "--pw", "x"])
+                .unwrap();
+            m.get_one::<Secret>("pw").unwrap().setting().to_owned()
+        };
+        assert_eq!(parse(Arg::new("pw").long("pw").env("T_PW")), "T_PW");
+        assert_eq!(parse(Arg::new("pw").long("pw")), "--pw");
     }
 
     #[test]
