@@ -230,24 +230,9 @@ async fn tls_cluster_with_a_ca_file_and_a_client_certificate() {
     let cluster = ValkeyCluster::start_tls(&certs);
     assert!(cluster.urls.starts_with("rediss://"), "{}", cluster.urls);
     let db = TestDb::new("cluster_tls").await;
-    let (ca, cert, key) = (
-        certs.p("ca.crt"),
-        certs.p("client.crt"),
-        certs.p("client.key"),
-    );
-    let relay = Relay::start_streaming(run_args(
-        &db,
-        &cluster.urls,
-        &cluster_args(&[
-            "--valkey-ca-file",
-            &ca,
-            "--valkey-client-cert-file",
-            &cert,
-            "--valkey-client-key-file",
-            &key,
-        ]),
-    ))
-    .await;
+    let tls = certs.relay_valkey_tls(Some("ca.crt"), true);
+    let relay =
+        Relay::start_streaming(run_args(&db, &cluster.urls, &cluster_args(&tls.flags()))).await;
     let mut c = db.client().await;
     let committed = insert_mixed(&mut c, 30, 5).await;
     let expected = by_queue(&committed);
@@ -255,15 +240,11 @@ async fn tls_cluster_with_a_ca_file_and_a_client_certificate() {
     assert_each_delivered_once(&mut conn, &expected).await;
     relay.stop().await;
 
+    let mozilla_roots = certs.relay_valkey_tls(None, true);
     let msg = Relay::failure(run_args(
         &db,
         &cluster.urls,
-        &cluster_args(&[
-            "--valkey-client-cert-file",
-            &cert,
-            "--valkey-client-key-file",
-            &key,
-        ]),
+        &cluster_args(&mozilla_roots.flags()),
     ))
     .await;
     assert!(

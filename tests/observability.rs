@@ -112,19 +112,8 @@ async fn a_stalled_stream_is_noticed_through_heartbeats() {
 }
 
 fn status_json(db: &TestDb, redis_url: &str) -> serde_json::Value {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
-        .args(["status", "--json"])
-        .env("OUTBOX_DATABASE_URL", &db.url)
-        .env("OUTBOX_VALKEY_URL", redis_url)
-        .env("OUTBOX_SLOT", &db.slot)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let out = run_command_ok(&["status", "--json"], &relay_env(db, redis_url));
+    serde_json::from_str(&out).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,14 +155,7 @@ async fn status_reports_a_lag_that_grows_while_the_relay_is_stopped() {
     );
     assert_eq!(s1["unpublished_rows"], 200, "the 10 delivered were marked");
     // The human form names the same things.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
-        .arg("status")
-        .env("OUTBOX_DATABASE_URL", &db.url)
-        .env("OUTBOX_VALKEY_URL", &redis.url)
-        .env("OUTBOX_SLOT", &db.slot)
-        .output()
-        .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = run_command_ok(&["status"], &relay_env(&db, &redis.url));
     assert!(
         text.contains("unpublished=400") && text.contains("pending=10"),
         "{text}"

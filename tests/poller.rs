@@ -251,17 +251,7 @@ async fn valkey_failing_mid_batch_keeps_partial_success() {
 }
 
 fn relay_cmd(args: &[&str], db: &TestDb) -> String {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
-        .args(args)
-        .env("OUTBOX_DATABASE_URL", &db.url)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    run_command_ok(args, &[("OUTBOX_DATABASE_URL", &db.url)])
 }
 
 /// Runs the relay and the dead-letter commands as the least-privilege role of

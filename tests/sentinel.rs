@@ -103,24 +103,12 @@ async fn tls_sentinels_with_a_ca_file_and_a_client_certificate() {
     let sentinel = ValkeySentinel::start_with(&[], Some(&certs));
     assert!(sentinel.urls.starts_with("rediss://"), "{}", sentinel.urls);
     let db = TestDb::new("sentinel_tls").await;
-    let (ca, cert, key) = (
-        certs.p("ca.crt"),
-        certs.p("client.crt"),
-        certs.p("client.key"),
-    );
+    let master = ["--valkey-sentinel-master", sentinel.name.as_str()];
+    let tls = certs.relay_valkey_tls(Some("ca.crt"), true);
     let relay = Relay::start_streaming(run_args(
         &db,
         &sentinel.urls,
-        &[
-            "--valkey-sentinel-master",
-            &sentinel.name,
-            "--valkey-ca-file",
-            &ca,
-            "--valkey-client-cert-file",
-            &cert,
-            "--valkey-client-key-file",
-            &key,
-        ],
+        &[&master[..], &tls.flags()].concat(),
     ))
     .await;
     let mut c = db.client().await;
@@ -130,17 +118,11 @@ async fn tls_sentinels_with_a_ca_file_and_a_client_certificate() {
     assert_each_delivered_once(&mut conn, &expected).await;
     relay.stop().await;
 
+    let mozilla_roots = certs.relay_valkey_tls(None, true);
     let msg = Relay::failure(run_args(
         &db,
         &sentinel.urls,
-        &[
-            "--valkey-sentinel-master",
-            &sentinel.name,
-            "--valkey-client-cert-file",
-            &cert,
-            "--valkey-client-key-file",
-            &key,
-        ],
+        &[&master[..], &mozilla_roots.flags()].concat(),
     ))
     .await;
     assert!(

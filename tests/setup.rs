@@ -5,27 +5,10 @@ mod common;
 
 use common::*;
 
-fn relay_bin() -> std::process::Command {
-    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("OUTBOX_") || k.starts_with("VALKEY_") {
-            c.env_remove(k);
-        }
-    }
-    c
-}
-
 /// Runs the binary; returns (exit code, stderr).
 fn run_bin(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
-    let out = relay_bin()
-        .args(args)
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let (code, _, err) = run_command(args, env);
+    (code, err)
 }
 
 #[test]

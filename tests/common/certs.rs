@@ -4,6 +4,53 @@
 
 use std::path::PathBuf;
 
+/// The relay's Valkey TLS settings ([`Certs::relay_valkey_tls`]), as flags or as variables.
+pub struct RelayValkeyTls {
+    /// `--valkey-ca-file`.
+    ca: Option<String>,
+    /// `--valkey-client-cert-file` and `--valkey-client-key-file`.
+    client: Option<(String, String)>,
+}
+
+impl RelayValkeyTls {
+    /// `(flag, variable, value)` of each setting.
+    fn settings(&self) -> Vec<(&'static str, &'static str, &str)> {
+        let mut out = Vec::new();
+        if let Some(ca) = &self.ca {
+            out.push(("--valkey-ca-file", "OUTBOX_VALKEY_CA_FILE", ca.as_str()));
+        }
+        if let Some((cert, key)) = &self.client {
+            out.push((
+                "--valkey-client-cert-file",
+                "OUTBOX_VALKEY_CLIENT_CERT_FILE",
+                cert.as_str(),
+            ));
+            out.push((
+                "--valkey-client-key-file",
+                "OUTBOX_VALKEY_CLIENT_KEY_FILE",
+                key.as_str(),
+            ));
+        }
+        out
+    }
+
+    /// As flags of `outbox-relay run`.
+    pub fn flags(&self) -> Vec<&str> {
+        self.settings()
+            .into_iter()
+            .flat_map(|(flag, _, value)| [flag, value])
+            .collect()
+    }
+
+    /// As environment variables.
+    pub fn env(&self) -> Vec<(&'static str, &str)> {
+        self.settings()
+            .into_iter()
+            .map(|(_, var, value)| (var, value))
+            .collect()
+    }
+}
+
 /// Certificates made for one test: a CA, a server certificate for localhost and 127.0.0.1, a
 /// client certificate (CN `certuser`), and a second CA that signed none of them.
 pub struct Certs {
@@ -78,6 +125,15 @@ impl Certs {
                 client_key: read("client.key"),
             }),
             root_cert: Some(read("ca.crt")),
+        }
+    }
+
+    /// The relay's settings for TLS to Valkey: trusting the CA certificate in the file `ca` of
+    /// this directory (`None`: Mozilla's roots), with the client certificate or without.
+    pub fn relay_valkey_tls(&self, ca: Option<&str>, client_certificate: bool) -> RelayValkeyTls {
+        RelayValkeyTls {
+            ca: ca.map(|name| self.p(name)),
+            client: client_certificate.then(|| (self.p("client.crt"), self.p("client.key"))),
         }
     }
 

@@ -1,0 +1,73 @@
+//! The asynq view of Valkey: a queue's pending ids and a task's hash, decoded, as a Go worker
+//! would read them.
+
+use super::servers::Redis;
+use super::waits::eventually;
+use outbox_relay::task::TaskMessage;
+use prost::Message;
+
+/// The ids of a queue's pending list, oldest first (asynq LPUSHes and pops from the right).
+pub async fn pending_ids(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+    queue: &str,
+) -> Vec<String> {
+    const PAGE: isize = 50_000;
+    let key = format!("asynq:{{{queue}}}:pending");
+    let mut ids: Vec<String> = Vec::new();
+    let mut start = 0isize;
+    loop {
+        let page: Vec<String> = redis::cmd("LRANGE")
+            .arg(&key)
+            .arg(start)
+            .arg(start + PAGE - 1)
+            .query_async(conn)
+            .await
+            .unwrap();
+        let n = page.len();
+        ids.extend(page);
+        if (n as isize) < PAGE {
+            break;
+        }
+        start += PAGE;
+    }
+    ids.reverse();
+    ids
+}
+
+/// The task hash of `id`, decoded: (message, state, pending_since).
+pub async fn task(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+    queue: &str,
+    id: &str,
+) -> Option<(TaskMessage, String, String)> {
+    let fields: std::collections::HashMap<String, Vec<u8>> = redis::cmd("HGETALL")
+        .arg(format!("asynq:{{{queue}}}:t:{id}"))
+        .query_async(conn)
+        .await
+        .unwrap();
+    if fields.is_empty() {
+        return None;
+    }
+    assert_eq!(
+        fields.len(),
+        3,
+        "enqueue writes exactly msg, state, pending_since"
+    );
+    let msg = TaskMessage::decode(fields["msg"].as_slice()).unwrap();
+    let state = String::from_utf8(fields["state"].clone()).unwrap();
+    let since = String::from_utf8(fields["pending_since"].clone()).unwrap();
+    Some((msg, state, since))
+}
+
+/// Waits until the pending list of `queue` holds at least `n` ids; returns them oldest first.
+pub async fn wait_pending(redis: &Redis, queue: &str, n: usize) -> Vec<String> {
+    let conn = redis.conn().await;
+    eventually(&format!("{n} tasks in {queue}"), || {
+        let mut conn = conn.clone();
+        async move {
+            let ids = pending_ids(&mut conn, queue).await;
+            (ids.len() >= n).then_some(ids)
+        }
+    })
+    .await
+}
