@@ -43,27 +43,8 @@ async fn insert_mixed(
     n: usize,
     per_txn: usize,
 ) -> Vec<(String, String)> {
-    let names: Vec<String> = NAMES.iter().map(|(n, _)| n.to_string()).collect();
-    let mut out = Vec::with_capacity(n);
-    let mut left = n;
-    while left > 0 {
-        let k = left.min(per_txn);
-        let tx = client.transaction().await.unwrap();
-        let rows = tx
-            .query(
-                "INSERT INTO outbox_events (event_id, event_name, payload, metadata)
-                 SELECT gen_random_uuid(), ($1::text[])[1 + g % 3], jsonb_build_object('n', g), '{}'
-                 FROM generate_series(1, $2::int) g ORDER BY g
-                 RETURNING event_name, event_id::text",
-                &[&names, &(k as i32)],
-            )
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
-        out.extend(rows.iter().map(|r| (r.get(0), r.get(1))));
-        left -= k;
-    }
-    out
+    let names: Vec<&str> = NAMES.iter().map(|(n, _)| *n).collect();
+    insert_named_events(client, &names, n, per_txn).await
 }
 
 /// Every event becomes exactly its task, on the shard of its queue, in commit order per queue;
@@ -125,13 +106,7 @@ async fn tasks_of_three_queues_land_on_three_shards_exactly_once() {
             );
         }
     }
-    let mut queues: Vec<String> = redis::cmd("SMEMBERS")
-        .arg("asynq:queues")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    queues.sort();
-    assert_eq!(queues, ["critical", "low", "orders"]);
+    assert_eq!(queues(&mut conn).await, ["critical", "low", "orders"]);
 
     // The operator commands' view, through the same kind of connection as `run`.
     let target = run_args(&db, &cluster.urls, &cluster_args(&[]))

@@ -6,10 +6,7 @@ use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counters_read_the_number_of_delivered_events() {
-    let db = TestDb::new("counters").await;
-    let redis = Redis::start();
-    let relay =
-        Relay::start_streaming(run_args(&db, &redis.url, &["--health-interval", "200ms"])).await;
+    let (db, redis, relay) = streaming_relay("counters", &["--health-interval", "200ms"]).await;
     let mut c = db.client().await;
     let ids = insert_events(&mut c, "order.placed", 1_234, 100).await;
     wait_pending(&redis, "default", ids.len()).await;
@@ -39,10 +36,7 @@ async fn counters_read_the_number_of_delivered_events() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_follows_valkey() {
-    let db = TestDb::new("readyz").await;
-    let redis = Redis::start();
-    let relay =
-        Relay::start_streaming(run_args(&db, &redis.url, &["--health-interval", "200ms"])).await;
+    let (_db, redis, relay) = streaming_relay("readyz", &["--health-interval", "200ms"]).await;
     eventually("ready", || async {
         (relay.get("/readyz").await.0 == 200).then_some(())
     })
@@ -67,11 +61,8 @@ async fn readyz_follows_valkey() {
 /// they stop coming back and the stream is reported stalled, until it moves again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_stream_is_noticed_through_heartbeats() {
-    let db = TestDb::new("stall").await;
-    let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(
-        &db,
-        &redis.url,
+    let (db, redis, relay) = streaming_relay(
+        "stall",
         &[
             "--health-interval",
             "200ms",
@@ -84,7 +75,7 @@ async fn a_stalled_stream_is_noticed_through_heartbeats() {
             "--max-inflight-batches",
             "1",
         ],
-    ))
+    )
     .await;
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     assert_eq!(
@@ -118,14 +109,7 @@ fn status_json(db: &TestDb, redis_url: &str) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_reports_a_lag_that_grows_while_the_relay_is_stopped() {
-    let db = TestDb::new("status").await;
-    let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(
-        &db,
-        &redis.url,
-        &["--recovery", "false", "--on-slot-lost", "stop"],
-    ))
-    .await;
+    let (db, redis, relay) = streaming_relay("status", &["--recovery", "false", "--on-slot-lost", "stop"]).await;
     let mut c = db.client().await;
     insert_events(&mut c, "order.placed", 10, 10).await;
     wait_pending(&redis, "default", 10).await;

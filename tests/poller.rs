@@ -24,8 +24,7 @@ async fn unpublished(db: &TestDb) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_mode_delivers_every_event_exactly_once() {
-    let db = TestDb::new("pollmode").await;
-    let redis = Redis::start();
+    let (db, redis) = database_and_redis("pollmode").await;
     let mut c = db.client().await;
     let before = insert_events(&mut c, "order.placed", 1_500, 100).await;
     let relay = Relay::start(run_args(
@@ -57,8 +56,7 @@ async fn poll_mode_delivers_every_event_exactly_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_pollers_never_claim_the_same_row() {
-    let db = TestDb::new("threepollers").await;
-    let redis = Redis::start();
+    let (db, redis) = database_and_redis("threepollers").await;
     let url = db.url.clone();
     let producer = tokio::spawn(async move {
         let mut c = connect(&url).await;
@@ -97,8 +95,7 @@ async fn three_pollers_never_claim_the_same_row() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_from_before_the_slot_are_backfilled() {
-    let db = TestDb::new("backfill").await;
-    let redis = Redis::start();
+    let (db, redis) = database_and_redis("backfill").await;
     let mut c = db.client().await;
     let old = insert_events(&mut c, "before.slot", 300, 50).await;
     let relay = Relay::start_streaming(run_args(
@@ -123,13 +120,10 @@ async fn rows_from_before_the_slot_are_backfilled() {
 /// and the stream is back on a new slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_slot_is_recreated_and_nothing_is_lost() {
-    let db = TestDb::new("slotdrop").await;
-    let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(
-        &db,
-        &redis.url,
+    let (db, redis, relay) = streaming_relay(
+        "slotdrop",
         &["--recovery-grace", "1s", "--poll-interval", "200ms"],
-    ))
+    )
     .await;
     let url = db.url.clone();
     let producer = tokio::spawn(async move {
@@ -157,23 +151,18 @@ async fn a_dropped_slot_is_recreated_and_nothing_is_lost() {
 /// before the failure are marked, the rest stay unpublished, and all arrive once it recovers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn valkey_failing_mid_batch_keeps_partial_success() {
-    let db = TestDb::new("midbatch").await;
-    let redis = Redis::start();
+    let (db, redis) = database_and_redis("midbatch").await;
     let mut conn = redis.conn().await;
     let c = db.client().await;
     // 1,000 rows of ~2 KB: about 2 MB of tasks.
-    let ids: Vec<String> = c
-        .query(
-            "INSERT INTO outbox_events (event_id, event_name, payload)
+    let ids: Vec<String> = column(
+        &c,
+        "INSERT INTO outbox_events (event_id, event_name, payload)
              SELECT gen_random_uuid(), 'order.placed', jsonb_build_object('blob', repeat('x', 2000))
              FROM generate_series(1, 1000) RETURNING event_id::text",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        &[],
+    )
+    .await;
     let used: String = redis::cmd("INFO")
         .arg("memory")
         .query_async(&mut conn)
@@ -187,20 +176,8 @@ async fn valkey_failing_mid_batch_keeps_partial_success() {
         .parse()
         .unwrap();
     // Room for a few hundred of them, not a thousand.
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg(used + 800_000)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory-policy")
-        .arg("noeviction")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    config_set(&mut conn, "maxmemory", used + 800_000).await;
+    config_set(&mut conn, "maxmemory-policy", "noeviction").await;
     let relay = Relay::start(run_args(
         &db,
         &redis.url,
@@ -210,16 +187,12 @@ async fn valkey_failing_mid_batch_keeps_partial_success() {
         (relay.metrics.poller_errors.get() > 0).then_some(())
     })
     .await;
-    let marked: Vec<String> = c
-        .query(
-            "SELECT event_id::text FROM outbox_events WHERE published_at IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let marked: Vec<String> = column(
+        &c,
+        "SELECT event_id::text FROM outbox_events WHERE published_at IS NOT NULL",
+        &[],
+    )
+    .await;
     assert!(
         !marked.is_empty() && marked.len() < 1_000,
         "partial: {} marked",
@@ -231,13 +204,7 @@ async fn valkey_failing_mid_batch_keeps_partial_success() {
             "marked {id} without a task"
         );
     }
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg(0)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    config_set(&mut conn, "maxmemory", 0).await;
     let pending = wait_pending(&redis, "default", ids.len()).await;
     assert_eq!(
         pending.iter().collect::<HashSet<_>>(),
@@ -397,10 +364,7 @@ async fn notify_wakes_poll_mode_before_its_interval() {
 /// (instead of recreating it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_slot_can_stop_the_relay_instead() {
-    let db = TestDb::new("slotstop").await;
-    let redis = Redis::start();
-    let relay =
-        Relay::start_streaming(run_args(&db, &redis.url, &["--on-slot-lost", "stop"])).await;
+    let (db, _redis, relay) = streaming_relay("slotstop", &["--on-slot-lost", "stop"]).await;
     db.drop_slot_under_relay().await;
     let err = relay.join().await.unwrap_err();
     assert!(
@@ -418,8 +382,7 @@ async fn a_lost_slot_can_stop_the_relay_instead() {
 /// poller; rows that could not be delivered stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delivered_rows_can_be_deleted_instead_of_marked() {
-    let db = TestDb::new("deleting").await;
-    let redis = Redis::start();
+    let (db, redis) = database_and_redis("deleting").await;
     let mut c = db.client().await;
     let before = insert_events(&mut c, "before.slot", 50, 10).await;
     let relay = Relay::start_streaming(run_args(
@@ -443,13 +406,7 @@ async fn delivered_rows_can_be_deleted_instead_of_marked() {
     let got: HashSet<&String> = pending.iter().collect();
     assert!(before.iter().chain(&streamed).all(|id| got.contains(id)));
     let left = eventually("delivered rows are deleted", || async {
-        let names: Vec<String> = c
-            .query("SELECT event_name FROM outbox_events", &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let names: Vec<String> = column(&c, "SELECT event_name FROM outbox_events", &[]).await;
         (names.len() == 1).then_some(names)
     })
     .await;
@@ -461,8 +418,7 @@ async fn delivered_rows_can_be_deleted_instead_of_marked() {
 /// never unpublished ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn periodic_cleanup_inside_run() {
-    let db = TestDb::new("periodic").await;
-    let redis = Redis::start();
+    let (db, redis) = database_and_redis("periodic").await;
     let mut c = db.client().await;
     c.batch_execute("INSERT INTO outbox_events (event_id, event_name, payload) VALUES (gen_random_uuid(), '', '{}')")
         .await
@@ -479,13 +435,7 @@ async fn periodic_cleanup_inside_run() {
     let ids = insert_events(&mut c, "cleaned.up", 20, 10).await;
     wait_pending(&redis, "default", ids.len()).await;
     let left = eventually("published rows are deleted", || async {
-        let names: Vec<String> = c
-            .query("SELECT event_name FROM outbox_events", &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let names: Vec<String> = column(&c, "SELECT event_name FROM outbox_events", &[]).await;
         (names.len() == 1).then_some(names)
     })
     .await;

@@ -30,8 +30,7 @@ async fn count(
 /// name, payload and metadata, with the trace context also in the TaskMessage headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_committed_with_the_order_becomes_its_task() {
-    let db = TestDb::new("producer_commit").await;
-    let redis = Redis::start();
+    let (db, redis) = database_and_redis("producer_commit").await;
     let mut c = db.client().await;
     create_orders(&c).await;
     let relay = Relay::start_streaming(run_args(&db, &redis.url, &[])).await;
@@ -92,8 +91,7 @@ async fn an_event_committed_with_the_order_becomes_its_task() {
 /// exists once a later committed marker event has arrived (so the check is not too early).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_rolled_back_with_the_order_never_becomes_a_task() {
-    let db = TestDb::new("producer_rollback").await;
-    let redis = Redis::start();
+    let (db, redis) = database_and_redis("producer_rollback").await;
     let mut c = db.client().await;
     create_orders(&c).await;
     c.execute("INSERT INTO orders (id, total_cents) VALUES (7, 100)", &[])

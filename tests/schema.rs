@@ -73,10 +73,7 @@ async fn columns_map_by_name_and_survive_alter_table() {
 /// the slot moves past them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_rows_never_stall_the_stream() {
-    let db = TestDb::new("badrows").await;
-    let redis = Redis::start();
-    let relay =
-        Relay::start_streaming(run_args(&db, &redis.url, &["--max-payload-bytes", "1KiB"])).await;
+    let (db, redis, relay) = streaming_relay("badrows", &["--max-payload-bytes", "1KiB"]).await;
     let c = db.client().await;
     c.batch_execute(&format!(
         "INSERT INTO outbox_events (event_id, event_name, payload, metadata) VALUES
@@ -143,13 +140,10 @@ async fn bad_rows_never_stall_the_stream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trace_context_headers_and_queue_routes() {
-    let db = TestDb::new("routes").await;
-    let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(
-        &db,
-        &redis.url,
+    let (db, redis, relay) = streaming_relay(
+        "routes",
         &["--queue-routes", "user.*=critical,order.paid=payments"],
-    ))
+    )
     .await;
     db.client()
         .await
@@ -190,13 +184,7 @@ async fn trace_context_headers_and_queue_routes() {
         env["metadata"]["tenant"], "acme",
         "the envelope keeps all metadata"
     );
-    let mut queues: Vec<String> = redis::cmd("SMEMBERS")
-        .arg("asynq:queues")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    queues.sort();
-    assert_eq!(queues, ["critical", "default", "payments"]);
+    assert_eq!(queues(&mut conn).await, ["critical", "default", "payments"]);
     relay.stop().await;
 }
 
@@ -236,9 +224,7 @@ async fn update_delete_truncate_are_ignored() {
 /// Heavy writes to other tables and none to the outbox: the slot keeps up, pinning no WAL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_outbox_does_not_pin_wal() {
-    let db = TestDb::new("idle").await;
-    let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(&db, &redis.url, &[])).await;
+    let (db, _redis, relay) = streaming_relay("idle", &[]).await;
     let c = db.client().await;
     c.batch_execute(
         "CREATE TABLE busy (id serial, body text);

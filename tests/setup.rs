@@ -110,8 +110,7 @@ async fn a_role_without_replication_is_refused_with_the_fix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_valkey_is_refused_naming_it() {
-    let db = TestDb::new("novalkey").await;
-    let redis = Redis::start();
+    let (db, redis) = database_and_redis("novalkey").await;
     let url = redis.url.clone();
     redis.stop();
     let msg = Relay::failure(run_args(&db, &url, &[])).await;
@@ -143,29 +142,23 @@ CREATE INDEX outbox_events_unpublished_idx ON outbox_events (id) WHERE published
 /// Columns, types, defaults, indexes: what a migration could change.
 async fn catalog(db: &TestDb) -> Vec<String> {
     let c = db.client().await;
-    let mut out: Vec<String> = c
-        .query(
-            "SELECT format('%s %s %s %s %s', attname, format_type(atttypid, atttypmod), attnotnull,
+    let mut out: Vec<String> = column(
+        &c,
+        "SELECT format('%s %s %s %s %s', attname, format_type(atttypid, atttypmod), attnotnull,
                     attidentity, pg_get_expr(adbin, adrelid))
              FROM pg_attribute LEFT JOIN pg_attrdef ON adrelid = attrelid AND adnum = attnum
              WHERE attrelid = 'outbox_events'::regclass AND attnum > 0 AND NOT attisdropped
              ORDER BY attnum",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        &[],
+    )
+    .await;
     out.extend(
-        c.query(
+        column::<String>(
+            &c,
             "SELECT indexdef FROM pg_indexes WHERE tablename = 'outbox_events' ORDER BY indexname",
             &[],
         )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get::<_, String>(0)),
+        .await,
     );
     out
 }

@@ -112,9 +112,7 @@ fn occurred_micros(s: &str) -> u128 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolled_back_transactions_and_savepoints_produce_no_task() {
-    let db = TestDb::new("rollback").await;
-    let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(&db, &redis.url, &[])).await;
+    let (db, redis, relay) = streaming_relay("rollback", &[]).await;
     let c = db.client().await;
     c.batch_execute(
         "BEGIN;
@@ -154,9 +152,7 @@ async fn rolled_back_transactions_and_savepoints_produce_no_task() {
 /// delivered and the slot moves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn valkey_down_holds_the_acknowledgement() {
-    let db = TestDb::new("valkey_down").await;
-    let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(&db, &redis.url, &[])).await;
+    let (db, redis, relay) = streaming_relay("valkey_down", &[]).await;
     let mut c = db.client().await;
     let warmup = insert_events(&mut c, "warm.up", 5, 5).await;
     wait_pending(&redis, "default", warmup.len()).await;
@@ -190,8 +186,7 @@ async fn valkey_down_holds_the_acknowledgement() {
 /// pushed twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_mid_stream_loses_and_duplicates_nothing() {
-    let db = TestDb::new("sigkill").await;
-    let redis = Redis::start();
+    let (db, redis) = database_and_redis("sigkill").await;
     let mut relay = RelayProcess::spawn_streaming(&db, &redis.url, &["--batch-size", "50"]).await;
     let url = db.url.clone();
     let producer = tokio::spawn(async move {

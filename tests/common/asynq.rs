@@ -71,3 +71,14 @@ pub async fn wait_pending(redis: &Redis, queue: &str, n: usize) -> Vec<String> {
     })
     .await
 }
+
+/// The queues asynq knows (`asynq:queues`), sorted.
+pub async fn queues(conn: &mut (impl redis::aio::ConnectionLike + Send)) -> Vec<String> {
+    let mut queues: Vec<String> = redis::cmd("SMEMBERS")
+        .arg("asynq:queues")
+        .query_async(conn)
+        .await
+        .unwrap();
+    queues.sort();
+    queues
+}

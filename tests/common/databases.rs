@@ -165,7 +165,22 @@ pub async fn insert_events(
     n: usize,
     per_txn: usize,
 ) -> Vec<String> {
-    let mut ids = Vec::with_capacity(n);
+    insert_named_events(client, &[name], n, per_txn)
+        .await
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect()
+}
+
+/// Inserts `n` events whose names cycle through `names`, in transactions of `per_txn` rows (so
+/// a transaction holds events of every name); returns (name, id) in commit order.
+pub async fn insert_named_events(
+    client: &mut tokio_postgres::Client,
+    names: &[&str],
+    n: usize,
+    per_txn: usize,
+) -> Vec<(String, String)> {
+    let mut out = Vec::with_capacity(n);
     let mut left = n;
     while left > 0 {
         let k = left.min(per_txn);
@@ -173,18 +188,37 @@ pub async fn insert_events(
         let rows = tx
             .query(
                 "INSERT INTO outbox_events (event_id, event_name, payload, metadata)
-                 SELECT gen_random_uuid(), $1, jsonb_build_object('n', g, 'note', 'x'), '{}'
+                 SELECT gen_random_uuid(), ($1::text[])[1 + g % cardinality($1::text[])],
+                        jsonb_build_object('n', g, 'note', 'x'), '{}'
                  FROM generate_series(1, $2::int) g ORDER BY g
-                 RETURNING event_id::text",
-                &[&name, &(k as i32)],
+                 RETURNING event_name, event_id::text",
+                &[&names, &(k as i32)],
             )
             .await
             .unwrap();
         tx.commit().await.unwrap();
-        ids.extend(rows.iter().map(|r| r.get::<_, String>(0)));
+        out.extend(rows.iter().map(|r| (r.get(0), r.get(1))));
         left -= k;
     }
-    ids
+    out
+}
+
+/// The first column of every row `sql` returns.
+pub async fn column<T>(
+    client: &impl tokio_postgres::GenericClient,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Vec<T>
+where
+    T: for<'a> tokio_postgres::types::FromSql<'a>,
+{
+    client
+        .query(sql, params)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
 }
 
 impl TestDb {

@@ -5,7 +5,7 @@
 
 use super::databases::TestDb;
 use super::http::http_get;
-use super::servers::tmp_dir;
+use super::servers::{tmp_dir, Redis};
 use super::waits::PATIENCE;
 use clap::{CommandFactory, FromArgMatches};
 use outbox_relay::config::{Cli, Command, RunArgs};
@@ -43,6 +43,19 @@ pub fn run_args(db: &TestDb, redis_url: &str, extra: &[&str]) -> RunArgs {
         Command::Run(args) => *args,
         _ => unreachable!(),
     }
+}
+
+/// A test's own migrated database (named after `prefix`) and Redis.
+pub async fn database_and_redis(prefix: &str) -> (TestDb, Redis) {
+    (TestDb::new(prefix).await, Redis::start())
+}
+
+/// A test's own migrated database and Redis, and the relay (in-process, with the `extra` flags)
+/// streaming from the one to the other.
+pub async fn streaming_relay(prefix: &str, extra: &[&str]) -> (TestDb, Redis, Relay) {
+    let (db, redis) = database_and_redis(prefix).await;
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, extra)).await;
+    (db, redis, relay)
 }
 
 /// The relay running in-process, with its HTTP endpoint on a free loopback port.

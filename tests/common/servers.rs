@@ -246,3 +246,18 @@ pub fn port_of(url: &str) -> &str {
     let host_port = after_host.split('/').find(|p| p.contains(':')).unwrap();
     host_port.rsplit(':').next().unwrap()
 }
+
+/// `CONFIG SET name value` on a Redis server.
+pub async fn config_set(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+    name: &str,
+    value: impl redis::ToRedisArgs,
+) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg(name)
+        .arg(value)
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("CONFIG SET {name}: {e}"));
+}
