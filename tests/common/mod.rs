@@ -4,6 +4,7 @@
 
 pub mod certs;
 pub mod checker;
+pub mod proxy;
 pub mod topologies;
 
 use clap::Parser;
