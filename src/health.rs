@@ -25,12 +25,14 @@ pub struct Health {
 pub type NotReady = Vec<&'static str>;
 
 impl Health {
-    pub fn set_postgres(&self, ok: bool) {
-        self.postgres_ok.store(ok, Ordering::Relaxed);
+    /// Records whether Postgres answered; returns what was recorded before.
+    pub fn set_postgres(&self, ok: bool) -> bool {
+        self.postgres_ok.swap(ok, Ordering::Relaxed)
     }
 
-    pub fn set_valkey(&self, ok: bool) {
-        self.valkey_ok.store(ok, Ordering::Relaxed);
+    /// Records whether Valkey answered; returns what was recorded before.
+    pub fn set_valkey(&self, ok: bool) -> bool {
+        self.valkey_ok.swap(ok, Ordering::Relaxed)
     }
 
     pub fn set_running(&self, running: bool, needs_stream: bool) {

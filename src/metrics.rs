@@ -21,6 +21,12 @@ pub struct TargetLabel {
     pub target: &'static str,
 }
 
+/// `outbox_link_failures_total{link}` labels: `replication`, `postgres` (SQL) or `valkey`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LinkLabel {
+    pub link: &'static str,
+}
+
 /// `outbox_bad_rows_total{reason}` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -80,6 +86,11 @@ pub struct Metrics {
     pub rows_rejected: Counter,
     /// Broken delivery invariants: each ended a session without acknowledging (a bug).
     pub invariant_violations: Counter,
+    /// Links found dead: the replication connection silent past its deadline, or a health
+    /// check of Postgres or Valkey failing (after passing).
+    pub link_failures: Family<LinkLabel, Counter>,
+    /// Times the publication was found recreated behind the slot (the slot was recreated).
+    pub publication_recreated: Counter,
     /// Liveness of the dependencies, for /readyz.
     pub health: crate::health::Health,
 }
@@ -113,8 +124,22 @@ impl Metrics {
             inflight_bytes: Gauge::default(),
             rows_rejected: Counter::default(),
             invariant_violations: Counter::default(),
+            link_failures: Family::default(),
+            publication_recreated: Counter::default(),
             health: crate::health::Health::default(),
         };
+        registry.register(
+            "outbox_link_failures",
+            "Links found dead (replication connection silent past OUTBOX_LINK_TIMEOUT, or a \
+             Postgres or Valkey health check failing), by link",
+            m.link_failures.clone(),
+        );
+        registry.register(
+            "outbox_publication_recreated",
+            "Times the publication was found dropped and recreated behind the slot (the slot \
+             was recreated; the recovery poller delivers the gap)",
+            m.publication_recreated.clone(),
+        );
         registry.register(
             "outbox_events_published",
             "Events confirmed in Valkey (new tasks plus already-present TaskIDs)",

@@ -1,8 +1,12 @@
 //! Periodic, cheap observation: unpublished rows and their age, dead letters, the slot's lag,
 //! Postgres and Valkey reachability (for `/readyz`), the optional heartbeat through the slot,
 //! and progress logs while the poller works through a backlog.
+//!
+//! The monitor never hangs on a dead link: Postgres, Valkey and the heartbeat are observed side
+//! by side, each bounded by [`MonitorSettings::check_timeout`]; a check that runs out of time
+//! counts as a failure (the dependency is unreachable, `/readyz` says so) and is logged.
 
-use crate::metrics::Metrics;
+use crate::metrics::{LinkLabel, Metrics};
 use crate::store::Store;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +24,8 @@ pub struct MonitorSettings {
     pub heartbeat: Option<Duration>,
     /// A heartbeat not seen on the stream for this long means the stream is stalled.
     pub stall_after: Duration,
+    /// How long one check (Postgres, Valkey, a heartbeat) may take before it counts as failed.
+    pub check_timeout: Duration,
     /// The slot, in stream mode.
     pub slot: Option<String>,
 }
@@ -40,17 +46,29 @@ pub struct Monitor {
 }
 
 impl Monitor {
-    pub async fn run(mut self, shutdown: CancellationToken) {
+    pub async fn run(self, shutdown: CancellationToken) {
         let mut last_heartbeat: Option<Instant> = None;
         let mut progress = Progress::default();
         loop {
-            self.observe_postgres().await;
-            self.observe_valkey().await;
-            if let Some(every) = self.settings.heartbeat {
-                if last_heartbeat.is_none_or(|t| t.elapsed() >= every) {
-                    last_heartbeat = Some(Instant::now());
-                    self.heartbeat().await;
-                }
+            let beat = self
+                .settings
+                .heartbeat
+                .filter(|every| last_heartbeat.is_none_or(|t| t.elapsed() >= *every));
+            if beat.is_some() {
+                last_heartbeat = Some(Instant::now());
+            }
+            let checks = async {
+                tokio::join!(self.observe_postgres(), self.observe_valkey(), async {
+                    if beat.is_some() {
+                        self.heartbeat().await;
+                    }
+                })
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = checks => {}
+            }
+            if self.settings.heartbeat.is_some() {
                 self.check_stall();
             }
             progress.log(&self.metrics);
@@ -61,12 +79,30 @@ impl Monitor {
         }
     }
 
+    /// `check` bounded by the check timeout.
+    async fn bounded<T>(
+        &self,
+        check: impl std::future::Future<Output = Result<T, MonitorError>>,
+    ) -> Result<T, MonitorError> {
+        let limit = self.settings.check_timeout;
+        tokio::time::timeout(limit, check)
+            .await
+            .unwrap_or(Err(MonitorError::TimedOut(limit)))
+    }
+
     async fn observe_postgres(&self) {
-        let ok = self.query_postgres().await;
-        if let Err(e) = &ok {
-            tracing::debug!(error = %crate::error_chain::error_chain(e), "postgres check failed");
+        let ok = self.bounded(self.query_postgres()).await;
+        match &ok {
+            Err(e @ MonitorError::TimedOut(_)) => tracing::warn!(
+                error = %crate::error_chain::error_chain(e),
+                "postgres health check timed out: the link may be dead"
+            ),
+            Err(e) => {
+                tracing::debug!(error = %crate::error_chain::error_chain(e), "postgres check failed")
+            }
+            Ok(()) => {}
         }
-        self.metrics.health.set_postgres(ok.is_ok());
+        self.set_link("postgres", ok.is_ok());
     }
 
     async fn query_postgres(&self) -> Result<(), MonitorError> {
@@ -94,14 +130,44 @@ impl Monitor {
         Ok(())
     }
 
-    async fn observe_valkey(&mut self) {
-        let pong: redis::RedisResult<String> =
-            redis::cmd("PING").query_async(&mut self.valkey).await;
-        self.metrics.health.set_valkey(pong.is_ok());
+    async fn observe_valkey(&self) {
+        let mut conn = self.valkey.clone();
+        let pong = self
+            .bounded(async {
+                redis::cmd("PING")
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .map_err(MonitorError::from)
+            })
+            .await;
+        if let Err(e @ MonitorError::TimedOut(_)) = &pong {
+            // Its own timeout fired first: nothing may queue behind that socket.
+            conn.reset();
+            tracing::warn!(error = %crate::error_chain::error_chain(e), "valkey health check timed out");
+        }
+        self.set_link("valkey", pong.is_ok());
+    }
+
+    /// Records a dependency's reachability; a change is logged, and a loss counted.
+    fn set_link(&self, link: &'static str, ok: bool) {
+        let health = &self.metrics.health;
+        let was = match link {
+            "postgres" => health.set_postgres(ok),
+            _ => health.set_valkey(ok),
+        };
+        if was && !ok {
+            self.metrics
+                .link_failures
+                .get_or_create(&LinkLabel { link })
+                .inc();
+            tracing::warn!(link, "health check failed: /readyz reports not ready");
+        } else if !was && ok {
+            tracing::info!(link, "health check passes again");
+        }
     }
 
     async fn heartbeat(&self) {
-        let emitted = async {
+        let emitted = self.bounded(async {
             let client = self.pool.get().await?;
             let row = client
                 .query_one(
@@ -110,7 +176,7 @@ impl Monitor {
                 )
                 .await?;
             Ok::<i64, MonitorError>(row.get(0))
-        }
+        })
         .await;
         match emitted {
             Ok(lsn) => self.metrics.health.heartbeat_emitted(lsn.max(0) as u64),
@@ -177,4 +243,8 @@ enum MonitorError {
     Pool(#[from] deadpool_postgres::PoolError),
     #[error("query failed")]
     Query(#[from] tokio_postgres::Error),
+    #[error("valkey command failed")]
+    Valkey(#[from] redis::RedisError),
+    #[error("no answer within {0:?}")]
+    TimedOut(Duration),
 }

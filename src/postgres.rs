@@ -57,6 +57,8 @@ pub struct PgTarget {
     connector: MarkedTls,
     /// Whether a `prefer` fallback to plain TCP was logged at warn level yet (once per target).
     fallback_logged: Arc<AtomicBool>,
+    /// How long a link may stay silent before it counts as dead.
+    link_timeout: Duration,
 }
 
 impl std::fmt::Debug for PgTarget {
@@ -104,8 +106,8 @@ impl PgTarget {
             })
             .options(SESSION_OPTIONS)
             .application_name(APPLICATION_NAME)
-            .connect_timeout(Duration::from_secs(10))
-            .keepalives_idle(Duration::from_secs(30));
+            .connect_timeout(Duration::from_secs(10));
+        set_link_timeout(&mut config, DEFAULT_LINK_TIMEOUT);
         let connector = MarkedTls(MakeRustlsConnect::new(
             tls.client_config().map_err(PgError::InvalidUrl)?,
         ));
@@ -114,7 +116,20 @@ impl PgTarget {
             tls,
             connector,
             fallback_logged: Arc::new(AtomicBool::new(false)),
+            link_timeout: DEFAULT_LINK_TIMEOUT,
         })
+    }
+
+    /// Gives up on an SQL socket that stays silent for `timeout` (see [`set_link_timeout`]).
+    pub fn with_link_timeout(mut self, timeout: Duration) -> Self {
+        set_link_timeout(&mut self.config, timeout);
+        self.link_timeout = timeout;
+        self
+    }
+
+    /// How long a link may stay silent before it counts as dead.
+    pub fn link_timeout(&self) -> Duration {
+        self.link_timeout
     }
 
     /// Connects as `sslmode` says. Under `prefer`, a TLS handshake that fails (a server whose
@@ -211,10 +226,16 @@ impl PgTarget {
                 recycling_method: deadpool_postgres::RecyclingMethod::Fast,
             },
         );
+        // Waiting for a connection, making one and checking one back out are each bounded, so
+        // no caller waits on a dead link for longer than the link timeout.
         deadpool_postgres::Pool::builder(mgr)
             .max_size(size)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .wait_timeout(Some(self.link_timeout))
+            .create_timeout(Some(self.link_timeout))
+            .recycle_timeout(Some(self.link_timeout))
             .build()
-            .expect("a pool without a runtime-specific timeout always builds")
+            .expect("a pool with the tokio runtime set always builds")
     }
 
     /// Replication connection parameters for `slot` and `publication`.
@@ -249,6 +270,26 @@ impl PgTarget {
         base.with_options(SESSION_OPTIONS)
             .with_application_name(APPLICATION_NAME)
     }
+}
+
+/// How long a link may stay silent before it counts as dead, unless configured
+/// (`OUTBOX_LINK_TIMEOUT`).
+pub const DEFAULT_LINK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Makes an SQL socket give up on a dead peer within `timeout`: `TCP_USER_TIMEOUT` closes it when
+/// data it sent stays unacknowledged that long (a query to a black-holed server), and TCP
+/// keepalive probes an idle one from a third of it, every sixth, three times (an idle pooled
+/// connection whose peer vanished). Without them a black-holed connection waits for the
+/// kernel's retransmission limit (about 15 minutes), or forever when idle.
+pub fn set_link_timeout(config: &mut tokio_postgres::Config, timeout: Duration) {
+    let idle = (timeout / 3).max(Duration::from_secs(1));
+    let interval = (timeout / 6).max(Duration::from_secs(1));
+    config
+        .tcp_user_timeout(timeout)
+        .keepalives(true)
+        .keepalives_idle(idle)
+        .keepalives_interval(interval)
+        .keepalives_retries(3);
 }
 
 /// The pool's connections, made by [`PgTarget::open`] (with the `prefer` fallback).
@@ -463,6 +504,23 @@ mod tests {
         let config = tokio_postgres::Config::from_str(&rest).unwrap();
         assert_eq!(config.get_password(), Some(&b"it's a secret"[..]));
         assert!(take_ssl_params("host=h password='open").is_err());
+    }
+
+    #[test]
+    fn sql_sockets_and_the_pool_give_up_within_the_link_timeout() {
+        let t = PgTarget::parse("postgres://u@127.0.0.1/db").unwrap();
+        assert_eq!(t.link_timeout(), DEFAULT_LINK_TIMEOUT);
+        let t = t.with_link_timeout(Duration::from_secs(12));
+        let c = &t.config;
+        assert_eq!(c.get_tcp_user_timeout(), Some(&Duration::from_secs(12)));
+        assert!(c.get_keepalives());
+        assert_eq!(c.get_keepalives_idle(), Duration::from_secs(4));
+        assert_eq!(c.get_keepalives_interval(), Some(Duration::from_secs(2)));
+        assert_eq!(c.get_keepalives_retries(), Some(3));
+        let timeouts = t.pool(2).timeouts();
+        assert_eq!(timeouts.wait, Some(Duration::from_secs(12)));
+        assert_eq!(timeouts.create, Some(Duration::from_secs(12)));
+        assert_eq!(timeouts.recycle, Some(Duration::from_secs(12)));
     }
 
     #[test]

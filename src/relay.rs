@@ -59,7 +59,7 @@ const WRITE_TIMEOUT_FACTOR: u32 = 3;
 /// Checks everything the configured mode needs; in stream mode creates the publication and the
 /// slot when missing.
 pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName), RelayError> {
-    let pg = args.db.target()?;
+    let pg = args.db.target()?.with_link_timeout(args.link_timeout);
     let valkey_target = args.valkey.target()?;
     let client = pg.connect().await?;
     setup::check_table(&client, &args.db.table).await?;
@@ -179,6 +179,7 @@ pub async fn run(
                     .heartbeat_interval
                     .filter(|_| args.mode == Mode::Stream),
                 stall_after: args.stall_after,
+                check_timeout: args.link_timeout,
                 slot: (args.mode == Mode::Stream).then(|| args.slot.clone()),
             },
             metrics: metrics.clone(),
@@ -216,6 +217,7 @@ pub async fn run(
                     pg,
                     slot: args.slot.clone(),
                     publication: args.db.publication.clone(),
+                    table: args.db.table.clone(),
                     buffer_events: REPLICATION_BUFFER_EVENTS,
                 },
                 settings: StreamSettings {
@@ -228,6 +230,7 @@ pub async fn run(
                     shutdown_timeout: args.shutdown_timeout,
                     on_slot_lost: args.on_slot_lost,
                     takeover_after: args.takeover_after,
+                    link_timeout: Some(args.link_timeout),
                 },
                 tasks,
                 sink,

@@ -34,6 +34,10 @@ pub struct SlotStatus {
 pub struct PublicationStatus {
     pub name: String,
     pub exists: bool,
+    /// Its oid: a different one than before means it was dropped and created again (a slot
+    /// older than that cannot decode past the drop; the relay then recreates the slot and
+    /// counts it in `outbox_publication_recreated_total`).
+    pub oid: Option<u32>,
     pub tables: Vec<String>,
     pub operations: Vec<String>,
 }
@@ -92,7 +96,7 @@ async fn publication_status(
 ) -> Result<PublicationStatus, tokio_postgres::Error> {
     let row = client
         .query_opt(
-            "SELECT pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication WHERE pubname = $1",
+            "SELECT pubinsert, pubupdate, pubdelete, pubtruncate, oid FROM pg_publication WHERE pubname = $1",
             &[&name],
         )
         .await?;
@@ -119,6 +123,7 @@ async fn publication_status(
     Ok(PublicationStatus {
         name: name.to_owned(),
         exists: row.is_some(),
+        oid: row.as_ref().map(|r| r.get(4)),
         tables,
         operations,
     })
@@ -163,9 +168,10 @@ pub fn render(s: &Status) -> String {
     );
     let _ = writeln!(
         out,
-        "publication  {:<24} exists={} tables={} publishes={}",
+        "publication  {:<24} exists={} oid={} tables={} publishes={}",
         s.publication.name,
         yes(s.publication.exists),
+        s.publication.oid.map_or("-".into(), |o| o.to_string()),
         if s.publication.tables.is_empty() {
             "-".into()
         } else {

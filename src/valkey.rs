@@ -3,32 +3,49 @@
 //! yet); [`ValkeyConnection`] is one cloneable, multiplexed connection that the sink, the
 //! monitor, `status` and `peek` use alike through redis' `ConnectionLike`.
 //!
-//! - **Single**: redis' `ConnectionManager`, which reconnects by itself.
+//! - **Single**: one multiplexed connection ([`link::Link`]), dropped after a timeout or an I/O
+//!   error and made again by the next command (redis' `ConnectionManager` kept a connection whose
+//!   replies timed out, see [`link`]).
 //! - **Cluster**: redis' async cluster connection. It routes each command by its first key (an
 //!   `EVALSHA` by its first key, a pipeline by the slot of its commands, which must all share it)
 //!   and keeps a connection per node. It does not retry a failed command itself (retries 0):
 //!   a MOVED, ASK, TRYAGAIN, CLUSTERDOWN or connection error is returned to the caller, and the
 //!   client refreshes its slot map on MOVED and connection errors. The relay's writer then
 //!   re-sends its unconfirmed batches, in order, after a backoff.
-//! - **Sentinel**: the primary named by the sentinels, over a multiplexed connection. A failed
-//!   command, or a READONLY/MASTERDOWN reply (a primary demoted by a failover), drops that
-//!   connection; the next command asks the sentinels again for the current primary and checks
-//!   with `ROLE` that it is one.
+//! - **Sentinel**: the primary named by the sentinels, over a multiplexed connection
+//!   ([`link::Link`]). A timeout or an I/O error, or a READONLY/MASTERDOWN reply (a primary
+//!   demoted by a failover), drops that connection; the next command asks the sentinels again for
+//!   the current primary and checks with `ROLE` that it is one.
+//!
+//! Sockets to Valkey carry `TCP_USER_TIMEOUT` ([`tcp_settings`]): the kernel closes a connection
+//! whose data stays unacknowledged that long. That matters for the cluster's per-node
+//! connections, which the cluster client keeps after a timeout; the other two are replaced at
+//! the first timeout anyway.
 //!
 //! TLS: `rediss://` URLs, with the CA and client certificate files (`OUTBOX_VALKEY_CA_FILE`, ...)
 //! applied to every connection of the topology: the server, every cluster node, the sentinels and
 //! the primary they name.
 
-use redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection};
+mod link;
+
+pub use link::Link;
+
+use redis::aio::ConnectionLike;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
     Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError,
-    RedisFuture, RedisResult, ServerErrorKind, TlsCertificates, TlsMode, Value,
+    RedisFuture, RedisResult, TlsCertificates, TlsMode, Value,
 };
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// The TCP settings of every socket to Valkey: the URL's own, plus `TCP_USER_TIMEOUT` at twice
+/// the command timeout (a command that waits longer has failed anyway; the margin keeps a slow
+/// but live link from being cut under a command still within its time).
+pub fn tcp_settings(base: &TcpSettings, timeout: Duration) -> TcpSettings {
+    base.clone().set_user_timeout(timeout * 2)
+}
 
 /// How the configured URLs are to be used.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -104,7 +121,11 @@ impl ValkeyTarget {
         }
         let infos = list
             .iter()
-            .map(|u| u.into_connection_info())
+            .map(|u| {
+                let info = u.into_connection_info()?;
+                let tcp = tcp_settings(info.tcp_settings(), timeout);
+                Ok(info.set_tcp_settings(tcp))
+            })
             .collect::<RedisResult<Vec<ConnectionInfo>>>()
             .map_err(|e| e.to_string())?;
         if certs.is_some() && !infos.iter().all(|i| tls_mode(i.addr()).is_some()) {
@@ -131,9 +152,11 @@ impl ValkeyTarget {
             }
             Topology::Cluster => {
                 let first_mode = tls_mode(infos[0].addr());
+                let tcp = tcp_settings(infos[0].tcp_settings(), timeout);
                 let mut builder = redis::cluster::ClusterClientBuilder::new(infos)
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
+                    .tcp_settings(tcp)
                     .retries(0);
                 if let Some(certs) = certs {
                     // Every node the cluster names is reached with these certificates, in the
@@ -175,6 +198,8 @@ impl ValkeyTarget {
                 )
                 .map_err(|e| e.to_string())?
                 .set_client_to_redis_db(primary.db())
+                .set_client_to_redis_tcp_settings(tcp_settings(infos[0].tcp_settings(), timeout))
+                .set_client_to_sentinel_tcp_settings(tcp_settings(infos[0].tcp_settings(), timeout))
                 .set_client_to_redis_protocol(primary.protocol());
                 if let Some(user) = primary.username() {
                     builder = builder.set_client_to_redis_username(user);
@@ -207,13 +232,10 @@ impl ValkeyTarget {
     pub async fn connect(self) -> RedisResult<ValkeyConnection> {
         match self {
             Self::Single { client, timeout } => {
-                let config = redis::aio::ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(timeout))
-                    .set_connection_timeout(Some(timeout))
-                    .set_max_delay(Duration::from_secs(2))
-                    .set_number_of_retries(2);
-                let conn = client.get_connection_manager_with_config(config).await?;
-                Ok(ValkeyConnection::Single(conn))
+                let db = client.get_connection_info().redis_settings().db();
+                let link = Link::new(link::Source::Direct(client), timeout, db);
+                link.current().await?;
+                Ok(ValkeyConnection::Single(link))
             }
             Self::Cluster(client) => Ok(ValkeyConnection::Cluster(
                 client.get_async_connection().await?,
@@ -223,20 +245,9 @@ impl ValkeyTarget {
                 db,
                 timeout,
             } => {
-                let conn = SentinelConnection {
-                    inner: Arc::new(SentinelInner {
-                        client: tokio::sync::Mutex::new(client),
-                        current: Mutex::new(None),
-                        generation: AtomicU64::new(0),
-                        config: redis::AsyncConnectionConfig::new()
-                            .set_response_timeout(Some(timeout))
-                            .set_connection_timeout(Some(timeout)),
-                        timeout,
-                        db,
-                    }),
-                };
-                conn.current().await?;
-                Ok(ValkeyConnection::Sentinel(conn))
+                let link = Link::new(link::Source::Sentinel(client), timeout, db);
+                link.current().await?;
+                Ok(ValkeyConnection::Sentinel(link))
             }
         }
     }
@@ -246,9 +257,9 @@ impl ValkeyTarget {
 /// underlying connections.
 #[derive(Clone)]
 pub enum ValkeyConnection {
-    Single(ConnectionManager),
+    Single(Link),
     Cluster(redis::cluster_async::ClusterConnection),
-    Sentinel(SentinelConnection),
+    Sentinel(Link),
 }
 
 impl std::fmt::Debug for ValkeyConnection {
@@ -267,13 +278,22 @@ impl ValkeyConnection {
         matches!(self, Self::Cluster(_))
     }
 
-    /// Stops using the current connection after a write timed out or failed on the link, so
-    /// writes queued behind it are dropped rather than piling up. Sentinel: the next command
-    /// asks the sentinels again. Single server and cluster: their clients reconnect by
-    /// themselves on connection errors (a timed-out write is bounded by the response timeout).
+    /// Drops the underlying connection, for a caller that gave up on a command by its own
+    /// timeout: the next command (of any clone) makes a new one, so nothing queues behind a
+    /// stalled socket. A cluster keeps its per-node connections (its client replaces one that
+    /// fails, and `TCP_USER_TIMEOUT` fails one that stalls).
     pub fn reset(&self) {
-        if let Self::Sentinel(c) = self {
-            c.forget_current();
+        match self {
+            Self::Single(link) | Self::Sentinel(link) => link.reset(),
+            Self::Cluster(_) => {}
+        }
+    }
+
+    /// Connections made again after a failure or a reset (0 for a cluster, which does not say).
+    pub fn reconnects(&self) -> u64 {
+        match self {
+            Self::Single(link) | Self::Sentinel(link) => link.reconnects(),
+            Self::Cluster(_) => 0,
         }
     }
 
@@ -342,129 +362,32 @@ impl ConnectionLike for ValkeyConnection {
         match self {
             Self::Single(c) => c.get_db(),
             Self::Cluster(c) => c.get_db(),
-            Self::Sentinel(c) => c.inner.db,
+            Self::Sentinel(c) => c.db(),
         }
     }
 }
 
-/// The current primary of a Sentinel-managed group, re-resolved after a failure.
-#[derive(Clone)]
-pub struct SentinelConnection {
-    inner: Arc<SentinelInner>,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-struct SentinelInner {
-    /// Asks the sentinels; one resolution at a time.
-    client: tokio::sync::Mutex<SentinelClient>,
-    /// The connection to the primary in use, with its generation number.
-    current: Mutex<Option<(u64, MultiplexedConnection)>>,
-    generation: AtomicU64,
-    config: redis::AsyncConnectionConfig,
-    timeout: Duration,
-    db: i64,
-}
-
-impl SentinelConnection {
-    /// The connection to the current primary, asking the sentinels when there is none.
-    async fn current(&self) -> RedisResult<(u64, MultiplexedConnection)> {
-        if let Some(c) = self.inner.current.lock().unwrap().clone() {
-            return Ok(c);
-        }
-        // Writes waiting here get the lock in arrival order, so they keep their order.
-        let mut client = self.inner.client.lock().await;
-        if let Some(c) = self.inner.current.lock().unwrap().clone() {
-            return Ok(c);
-        }
-        let resolve = async {
-            // Asks the sentinels for the primary's address and checks it with ROLE.
-            let primary = client.async_get_client().await?;
-            let addr = primary.get_connection_info().addr().to_string();
-            let conn = primary
-                .get_multiplexed_async_connection_with_config(&self.inner.config)
-                .await?;
-            Ok::<_, RedisError>((addr, conn))
+    #[test]
+    fn valkey_sockets_give_up_at_twice_the_command_timeout() {
+        let tcp = tcp_settings(&TcpSettings::default(), Duration::from_secs(5));
+        assert_eq!(tcp.user_timeout(), Some(Duration::from_secs(10)));
+        let target = ValkeyTarget::new(
+            "redis://127.0.0.1:1",
+            &Topology::Single,
+            Duration::from_secs(2),
+            None,
+        )
+        .unwrap();
+        let ValkeyTarget::Single { client, .. } = target else {
+            panic!("one URL is one server");
         };
-        // The sentinels and the primary are each bounded by the timeout; this bounds the sum.
-        let (addr, conn) = tokio::time::timeout(self.inner.timeout * 3, resolve)
-            .await
-            .map_err(|_| {
-                RedisError::from((
-                    ErrorKind::Io,
-                    "timed out asking the sentinels for the primary",
-                ))
-            })??;
-        let generation = self.inner.generation.fetch_add(1, Ordering::Relaxed) + 1;
-        tracing::info!(primary = %addr, "connected to the primary named by the sentinels");
-        *self.inner.current.lock().unwrap() = Some((generation, conn.clone()));
-        Ok((generation, conn))
-    }
-
-    /// Stops using whatever connection is current.
-    fn forget_current(&self) {
-        *self.inner.current.lock().unwrap() = None;
-    }
-
-    /// Stops using connection `generation`: the next command asks the sentinels again.
-    fn forget(&self, generation: u64, why: &RedisError) {
-        let mut current = self.inner.current.lock().unwrap();
-        if current.as_ref().is_some_and(|(g, _)| *g == generation) {
-            tracing::warn!(error = %why, "primary connection failed; asking the sentinels again");
-            *current = None;
-        }
-    }
-}
-
-/// A reply that says this server is not (or no longer) a usable primary.
-fn demoted(value: &Value) -> Option<RedisError> {
-    let Value::ServerError(e) = value else {
-        return None;
-    };
-    matches!(
-        e.kind(),
-        Some(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
-    )
-    .then(|| value.clone().extract_error().unwrap_err())
-}
-
-impl ConnectionLike for SentinelConnection {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        Box::pin(async move {
-            let (generation, mut conn) = self.current().await?;
-            let result = conn.req_packed_command(cmd).await;
-            match &result {
-                Err(e) => self.forget(generation, e),
-                Ok(v) => {
-                    if let Some(e) = demoted(v) {
-                        self.forget(generation, &e);
-                    }
-                }
-            }
-            result
-        })
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        Box::pin(async move {
-            let (generation, mut conn) = self.current().await?;
-            let result = conn.req_packed_commands(pipeline, offset, count).await;
-            match &result {
-                Err(e) => self.forget(generation, e),
-                Ok(values) => {
-                    if let Some(e) = values.iter().find_map(demoted) {
-                        self.forget(generation, &e);
-                    }
-                }
-            }
-            result
-        })
-    }
-
-    fn get_db(&self) -> i64 {
-        self.inner.db
+        assert_eq!(
+            client.get_connection_info().tcp_settings().user_timeout(),
+            Some(Duration::from_secs(4))
+        );
     }
 }

@@ -109,7 +109,8 @@ fn status_json(db: &TestDb, redis_url: &str) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_reports_a_lag_that_grows_while_the_relay_is_stopped() {
-    let (db, redis, relay) = streaming_relay("status", &["--recovery", "false", "--on-slot-lost", "stop"]).await;
+    let (db, redis, relay) =
+        streaming_relay("status", &["--recovery", "false", "--on-slot-lost", "stop"]).await;
     let mut c = db.client().await;
     insert_events(&mut c, "order.placed", 10, 10).await;
     wait_pending(&redis, "default", 10).await;

@@ -119,6 +119,12 @@ pub struct RunArgs {
     /// A heartbeat not back through the stream after this long marks the stream stalled.
     #[arg(long, env = "OUTBOX_STALL_AFTER", default_value = "60s", value_parser = parse_positive_duration)]
     pub stall_after: Duration,
+    /// A link to Postgres silent this long counts as dead (a black hole sends no FIN or RST):
+    /// the replication stream reconnects, SQL sockets give up (TCP_USER_TIMEOUT, keepalive),
+    /// a health check that takes longer fails and /readyz turns not-ready. See
+    /// docs/reliability.md, "Dead links".
+    #[arg(long, env = "OUTBOX_LINK_TIMEOUT", default_value = "30s", value_parser = parse_positive_duration)]
+    pub link_timeout: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -140,7 +146,8 @@ impl RunArgs {
         self.valkey.target()?;
         // A recreated slot starts after the events committed while it was gone: only the
         // recovery poller can deliver those, so recreating without it would lose them.
-        if self.mode == Mode::Stream && !self.recovery && self.on_slot_lost == OnSlotLost::Recreate {
+        if self.mode == Mode::Stream && !self.recovery && self.on_slot_lost == OnSlotLost::Recreate
+        {
             return Err(ConfigError::Invalid {
                 setting: "OUTBOX_RECOVERY".into(),
                 reason: "false needs OUTBOX_ON_SLOT_LOST=stop: a recreated slot skips the events \

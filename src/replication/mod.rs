@@ -2,11 +2,14 @@
 //! its sessions ([`session`]); the writes a session has in flight ([`writer`]); which LSN may be
 //! acknowledged ([`ack`]); the invariants checked in release builds ([`invariant`]); the I/O
 //! edges as traits ([`source`]) and their Postgres implementation ([`pg_slot`]); when a standby
-//! takes the slot over ([`takeover`]).
+//! takes the slot over ([`takeover`]); when the link counts as dead ([`liveness`]); a
+//! publication dropped behind the slot ([`publication`]).
 
 pub mod ack;
 pub mod invariant;
+pub mod liveness;
 pub mod pg_slot;
+pub mod publication;
 pub mod session;
 pub mod setup;
 pub mod source;

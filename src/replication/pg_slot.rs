@@ -40,6 +40,8 @@ pub struct PgSlot {
     pub pg: PgTarget,
     pub slot: String,
     pub publication: String,
+    /// The outbox table (a missing publication is created for it again).
+    pub table: crate::pgoutput::TableName,
     /// Events buffered between the socket reader and the session.
     pub buffer_events: usize,
 }
@@ -51,10 +53,21 @@ impl PgSlot {
         shutdown: &CancellationToken,
     ) -> Result<Option<ReplicationClient>, PgWireError> {
         let mut client = ReplicationClient::connect(cfg).await?;
+        // Bounded: a black-holed link would leave the start waiting for ever.
+        let limit = self.pg.link_timeout();
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return Ok(None),
-            r = client.wait_started() => r?,
+            r = tokio::time::timeout(limit, client.wait_started()) => match r {
+                Ok(started) => started?,
+                Err(_) => {
+                    client.abort();
+                    return Err(PgWireError::Io(std::sync::Arc::new(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("replication connection not started within {limit:?} (OUTBOX_LINK_TIMEOUT)"),
+                    ))));
+                }
+            },
         }
         Ok(Some(client))
     }
@@ -69,6 +82,10 @@ fn tls_refused_after_accept(msg: &str) -> bool {
 impl SlotPort for PgSlot {
     type Source = ReplicationClient;
 
+    fn publication(&self) -> &str {
+        &self.publication
+    }
+
     async fn state(&self) -> Result<SlotState, StreamError> {
         let client = self.pg.connect().await?;
         Ok(match setup::slot_info(&client, &self.slot).await? {
@@ -80,10 +97,10 @@ impl SlotPort for PgSlot {
 
     async fn recreate(&self) -> Result<Lsn, StreamError> {
         let client = self.pg.connect().await?;
-        setup::drop_slot(&client, &self.slot).await?;
-        Ok(setup::ensure_slot(&client, &self.slot)
-            .await?
-            .confirmed_flush)
+        let (info, _) =
+            super::publication::recreate_slot(&client, &self.slot, &self.publication, &self.table)
+                .await?;
+        Ok(info.confirmed_flush)
     }
 
     async fn open(
@@ -98,6 +115,8 @@ impl SlotPort for PgSlot {
             .with_ack_lsn(start)
             .with_status_interval(STATUS_INTERVAL)
             .with_wakeup_interval(STATUS_INTERVAL)
+            // Each idle wakeup asks the walsender for a keepalive: proof the link lives.
+            .with_reply_requested_when_idle(true)
             .with_buffer_size(self.buffer_events)
             // Needed for feedback_pending_since(): the final ack is confirmed sent.
             .with_feedback_observer(FeedbackObserver::new(|_| {}));

@@ -19,13 +19,14 @@
 
 use super::ack::AckTracker;
 use super::invariant::InvariantViolation;
+use super::liveness::Liveness;
 use super::source::ReplicationSource;
 use super::stream::{StreamError, StreamSettings};
 use super::writer::{Writer, WriterEvent};
 use super::HEARTBEAT_PREFIX;
 use crate::error_chain::error_chain;
 use crate::marker::MarkerHandle;
-use crate::metrics::Metrics;
+use crate::metrics::{LinkLabel, Metrics};
 use crate::pgoutput::{self, Decoded, OutboxColumn, OutboxInsert, RelationCache};
 use crate::sink::{Batch, Sink};
 use crate::task::{BadRow, RowText, TaskSettings};
@@ -91,6 +92,8 @@ pub struct Session<'a, S: Sink> {
     open_since: Option<Instant>,
     /// `open` waits until then for more rows (see [`LINGER`]).
     linger_at: Option<Instant>,
+    /// The receive deadline (see [`super::liveness`]); `None` without a link timeout.
+    liveness: Option<Liveness>,
 }
 
 impl<'a, S: Sink> Session<'a, S> {
@@ -114,6 +117,10 @@ impl<'a, S: Sink> Session<'a, S> {
             sent_micros: 0,
             open_since: None,
             linger_at: None,
+            liveness: cx
+                .settings
+                .link_timeout
+                .map(|t| Liveness::new(t, Instant::now().into_std())),
             cx,
         }
     }
@@ -140,6 +147,11 @@ impl<'a, S: Sink> Session<'a, S> {
         shutdown: &CancellationToken,
     ) -> Result<SessionEnd, StreamError> {
         loop {
+            let reading = !self.open_full();
+            let deadline = self.liveness.as_mut().and_then(|l| {
+                l.reading(reading, Instant::now().into_std());
+                l.deadline().map(Instant::from_std)
+            });
             tokio::select! {
                 biased;
                 // 1
@@ -151,8 +163,13 @@ impl<'a, S: Sink> Session<'a, S> {
                     self.dispatch()?;
                 }
                 // 4
-                ev = source.recv(), if !self.open_full() => match ev {
-                    Ok(Some(ev)) => self.on_event(ev, source)?,
+                ev = source.recv(), if reading => match ev {
+                    Ok(Some(ev)) => {
+                        if let Some(l) = &mut self.liveness {
+                            l.heard(Instant::now().into_std());
+                        }
+                        self.on_event(ev, source)?
+                    }
                     Ok(None) => return Ok(SessionEnd::ServerClosed),
                     Err(e) => return Err(StreamError::Replication(e)),
                 },
@@ -166,6 +183,14 @@ impl<'a, S: Sink> Session<'a, S> {
                 // 6
                 _ = sleep_until_opt(self.linger_at), if self.linger_at.is_some() && !self.writer.busy() => {
                     self.dispatch()?;
+                }
+                // 7: the link is dead; nothing more is acknowledged on it.
+                _ = sleep_until_opt(deadline), if deadline.is_some() => {
+                    let silent = self.liveness.as_ref().and_then(|l| l.dead(Instant::now().into_std()));
+                    if let Some(silent) = silent {
+                        self.cx.metrics.link_failures.get_or_create(&LinkLabel { link: "replication" }).inc();
+                        return Err(StreamError::LinkDead { silent_secs: silent.as_secs() });
+                    }
                 }
             }
         }

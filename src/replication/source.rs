@@ -54,6 +54,9 @@ pub struct SlotHolder {
 pub trait SlotPort: Send + Sync {
     type Source: ReplicationSource;
 
+    /// The publication the slot streams (named in the walsender's errors).
+    fn publication(&self) -> &str;
+
     fn state(&self) -> impl Future<Output = Result<SlotState, StreamError>> + Send;
 
     /// Drops the slot if it exists and creates it again; returns its new position.

@@ -4,6 +4,7 @@
 //! stands by, and takes the slot over from a zombie walsender ([`super::takeover`]).
 
 use super::invariant::InvariantViolation;
+use super::publication;
 use super::session::{Session, SessionContext, SessionEnd};
 use super::setup::SetupError;
 use super::source::{SlotPort, SlotState};
@@ -43,6 +44,9 @@ pub struct StreamSettings {
     /// A walsender holding the slot whose client has been silent this long is a zombie (a cut
     /// connection the server has not noticed): it is terminated so the slot can be taken.
     pub takeover_after: Duration,
+    /// A replication connection that carries nothing for this long while read is dead (see
+    /// [`super::liveness`]); `None`: no deadline (the simulation's in-memory source).
+    pub link_timeout: Option<Duration>,
 }
 
 /// First reconnect delay, and the cap of the doubling delays.
@@ -64,6 +68,11 @@ pub enum StreamError {
     #[error(transparent)]
     Invariant(#[from] InvariantViolation),
     #[error(
+        "replication connection silent for {silent_secs} s (OUTBOX_LINK_TIMEOUT): the link is \
+         dead (a black hole sends no FIN or RST); reconnecting"
+    )]
+    LinkDead { silent_secs: u64 },
+    #[error(
         "replication slot {slot:?} is {why}; OUTBOX_ON_SLOT_LOST=stop: events committed while it \
          was gone are only in the table now (run with OUTBOX_ON_SLOT_LOST=recreate, or OUTBOX_MODE=poll)"
     )]
@@ -78,7 +87,10 @@ impl StreamError {
             // a certificate or protocol refusal is not.
             StreamError::Replication(PgWireError::Tls(msg)) => tls_cut_by_network(msg),
             StreamError::Replication(PgWireError::Auth(_)) => false,
-            StreamError::Replication(_) | StreamError::Decode(_) | StreamError::Postgres(_) => true,
+            StreamError::Replication(_)
+            | StreamError::LinkDead { .. }
+            | StreamError::Decode(_)
+            | StreamError::Postgres(_) => true,
             // A bug or a broken server: the session stops without acknowledging, and a new one
             // replays from the last safe position.
             StreamError::Invariant(_) => true,
@@ -152,6 +164,9 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
                     tracing::error!(error = %e, "session stopped without acknowledging; reconnecting to replay from the last safe position");
                     self.next_delay(&mut backoff, false)
                 }
+                Err(e) if self.publication_dropped(&e) => {
+                    self.heal_publication(&mut backoff).await?
+                }
                 Err(e) if e.is_retryable() => {
                     tracing::warn!(error = %error_chain(&e), "replication stream lost");
                     // A stream that failed on its own data would fail again at once: only
@@ -216,6 +231,46 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         .await;
         if let Err(e) = result {
             tracing::debug!(error = %error_chain(&e), "could not check the slot's holder");
+        }
+    }
+
+    /// The walsender cannot decode past the publication's drop (see [`publication`]).
+    fn publication_dropped(&self, e: &StreamError) -> bool {
+        matches!(e, StreamError::Replication(PgWireError::Server(msg))
+            if publication::is_missing_error(msg, self.port.publication()))
+    }
+
+    /// Heals a slot stuck behind a dropped publication as a lost slot is healed: a new slot
+    /// (the recovery poller delivers what the old one would have), or a stop, as configured.
+    /// Returns the delay before reconnecting.
+    async fn heal_publication(&self, backoff: &mut Backoff) -> Result<Duration, StreamError> {
+        let slot = &self.settings.slot;
+        tracing::error!(
+            slot = %slot,
+            publication = %self.port.publication(),
+            "PUBLICATION DROPPED BEHIND THE SLOT: the slot decodes with the catalog of its WAL \
+             position and cannot see a publication created later; events committed since its \
+             confirmed position cannot come from the stream, the recovery poller delivers them \
+             from the table"
+        );
+        if self.settings.on_slot_lost == OnSlotLost::Stop {
+            return Err(StreamError::SlotLost {
+                slot: slot.clone(),
+                why: "behind a dropped publication (it cannot decode past the drop)",
+            });
+        }
+        // Recreating the slot also creates the publication if it is still missing.
+        match self.port.recreate().await {
+            Ok(lsn) => {
+                self.metrics.publication_recreated.inc();
+                tracing::warn!(slot = %slot, lsn = %lsn, "replication slot recreated after the publication was dropped");
+                Ok(Duration::ZERO)
+            }
+            Err(e) if e.is_retryable() => {
+                tracing::warn!(error = %error_chain(&e), "could not recreate the slot yet");
+                Ok(self.next_delay(backoff, false))
+            }
+            Err(e) => Err(e),
         }
     }
 

@@ -11,6 +11,7 @@ pub mod checker;
 pub mod databases;
 pub mod http;
 pub mod launcher;
+pub mod proxy;
 pub mod servers;
 pub mod topologies;
 pub mod waits;

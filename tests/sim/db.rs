@@ -279,6 +279,10 @@ pub struct SimPort {
 impl SlotPort for SimPort {
     type Source = SimSource;
 
+    fn publication(&self) -> &str {
+        "outbox_relay"
+    }
+
     async fn state(&self) -> Result<SlotState, StreamError> {
         self.db
             .sql()

@@ -257,6 +257,8 @@ impl World {
                 shutdown_timeout: Duration::from_secs(2),
                 on_slot_lost: OnSlotLost::Recreate,
                 takeover_after: Duration::from_secs(5),
+                // An in-memory source has no link to die.
+                link_timeout: None,
             },
             tasks: self.tasks.clone(),
             sink: self.valkey.sink(Writer::Stream(idx)),

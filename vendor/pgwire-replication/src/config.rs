@@ -488,6 +488,15 @@ pub struct ReplicationConfig {
     ///
     /// Default: `None`
     pub feedback_observer: Option<crate::FeedbackObserver>,
+
+    /// Whether the status update sent after `idle_wakeup_interval` without a
+    /// message asks the server to reply (the "reply requested" byte of the
+    /// standby status update). The walsender answers it with a keepalive at
+    /// once, so a consumer that sees no message for several wakeup intervals
+    /// knows the connection is dead even when the server has nothing to send.
+    ///
+    /// Default: `false`
+    pub request_reply_when_idle: bool,
 }
 
 impl Default for ReplicationConfig {
@@ -512,6 +521,7 @@ impl Default for ReplicationConfig {
             max_message_size: crate::protocol::framing::MAX_MESSAGE_SIZE,
             application_name: None,
             feedback_observer: None,
+            request_reply_when_idle: false,
         }
     }
 }
@@ -728,6 +738,13 @@ impl ReplicationConfig {
     /// position (see [`feedback_observer`](Self::feedback_observer)).
     pub fn with_feedback_observer(mut self, observer: crate::FeedbackObserver) -> Self {
         self.feedback_observer = Some(observer);
+        self
+    }
+
+    /// Ask for a reply with the status update of each idle wakeup (see
+    /// [`request_reply_when_idle`](Self::request_reply_when_idle)).
+    pub fn with_reply_requested_when_idle(mut self, request: bool) -> Self {
+        self.request_reply_when_idle = request;
         self
     }
 

@@ -471,7 +471,8 @@ impl WorkerState {
                         Err(_) => {
                             let applied = self.progress.load_applied();
                             last_applied = applied;
-                            self.send_feedback(stream, applied, false).await?;
+                            let ask = self.cfg.request_reply_when_idle;
+                            self.send_feedback(stream, applied, ask).await?;
                             last_status_sent = Instant::now();
                             continue;
                         }

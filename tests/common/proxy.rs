@@ -1,0 +1,266 @@
+//! A fault proxy for link tests: accepts on a loopback port and forwards each connection to a
+//! target, with a switch that cuts one link at a time.
+//!
+//! - [`Fault::Pass`]: forward as it comes.
+//! - [`Fault::Delay`]: hold each chunk this long before forwarding it (added latency; order kept).
+//! - [`Fault::BlackHole`]: stop forwarding in both directions without closing anything, as a
+//!   dropped route or a firewall that forgot the flow does: no FIN, no RST, not even for a side
+//!   that closes meanwhile. What was read is held and goes on once the link passes again. New
+//!   connections are accepted but reach nothing.
+//!
+//! In front of Postgres, the replication connection and the SQL connections can be cut apart
+//! ([`Proxy::set_replication`], [`Proxy::set_sql`]): a connection counts as a replication one
+//! once its startup message asks for `replication` (the tests' servers run without TLS, so the
+//! startup message is readable).
+//!
+//! [`Proxy::reset`] closes every current connection with an RST (a peer that crashed); the
+//! sockets linger 0, so any close of theirs is an RST after the FIN.
+//!
+//! The proxy's own kernel still acknowledges what it reads, so a black hole here is seen by the
+//! relay's application-level deadlines (the replication receive deadline, command and health
+//! check timeouts), not by TCP_USER_TIMEOUT or keepalive, which need a real kernel black hole.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// What the proxy does to the traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    Pass,
+    Delay(Duration),
+    BlackHole,
+}
+
+/// The faults in effect, per kind of connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Faults {
+    /// Postgres replication connections.
+    replication: Fault,
+    /// Every other connection (SQL, Valkey).
+    other: Fault,
+    /// Connections accepted before this many are black-holed, whatever their kind (a flow
+    /// that died while new ones get through).
+    stalled_below: u64,
+}
+
+/// A running proxy; dropping it stops accepting and resets its connections.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    fault: watch::Sender<Faults>,
+    /// Bumped by [`reset`](Self::reset): connections older than it close with an RST.
+    resets: watch::Sender<u64>,
+    accepted: Arc<AtomicU64>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Listens on a free loopback port and forwards to `target`.
+    pub async fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (fault, _) = watch::channel(Faults {
+            replication: Fault::Pass,
+            other: Fault::Pass,
+            stalled_below: 0,
+        });
+        let (resets, _) = watch::channel(0u64);
+        let accepted = Arc::new(AtomicU64::new(0));
+        let (f, r, n) = (fault.clone(), resets.clone(), accepted.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let id = n.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(connection(client, id, target, f.subscribe(), r.subscribe()));
+            }
+        });
+        Self {
+            addr,
+            fault,
+            resets,
+            accepted,
+            accept,
+        }
+    }
+
+    /// A proxy in front of the host:port of a `postgres://` or `redis://` URL.
+    pub async fn in_front_of(url: &str) -> Self {
+        let u = url::Url::parse(url).unwrap();
+        let host = u.host_str().unwrap();
+        let port = u.port().unwrap();
+        let target = tokio::net::lookup_host((host, port))
+            .await
+            .unwrap()
+            .next()
+            .unwrap();
+        Self::start(target).await
+    }
+
+    /// `url` with its host and port replaced by the proxy's.
+    pub fn url_through(&self, url: &str) -> String {
+        let mut u = url::Url::parse(url).unwrap();
+        u.set_host(Some(&self.addr.ip().to_string())).unwrap();
+        u.set_port(Some(self.addr.port())).unwrap();
+        u.to_string()
+    }
+
+    /// The same fault on every connection (and no more stalled ones).
+    pub fn set(&self, fault: Fault) {
+        self.fault.send_replace(Faults {
+            replication: fault,
+            other: fault,
+            stalled_below: 0,
+        });
+    }
+
+    /// Black-holes the connections open now; new ones pass (until [`set`](Self::set)).
+    pub fn stall_open_connections(&self) {
+        let open = self.accepted();
+        self.fault.send_modify(|f| f.stalled_below = open);
+    }
+
+    /// A fault on Postgres replication connections only.
+    pub fn set_replication(&self, fault: Fault) {
+        self.fault.send_modify(|f| f.replication = fault);
+    }
+
+    /// A fault on every connection but Postgres replication ones.
+    pub fn set_sql(&self, fault: Fault) {
+        self.fault.send_modify(|f| f.other = fault);
+    }
+
+    /// Closes every open connection with an RST, on both sides.
+    pub fn reset(&self) {
+        self.resets.send_modify(|n| *n += 1);
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> u64 {
+        self.accepted.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.reset();
+    }
+}
+
+async fn connection(
+    client: TcpStream,
+    id: u64,
+    target: SocketAddr,
+    fault: watch::Receiver<Faults>,
+    mut resets: watch::Receiver<u64>,
+) {
+    resets.mark_unchanged();
+    let replication = Arc::new(AtomicBool::new(false));
+    // A black hole swallows the connection attempt too: wait before reaching the target.
+    let mut link = Link {
+        id,
+        fault,
+        replication: replication.clone(),
+    };
+    if link.passable().await.is_none() {
+        return;
+    }
+    // Linger 0: a socket closed by a reset (its pumps aborted) sends an RST, not a FIN.
+    let _ = client.set_zero_linger();
+    let Ok(server) = TcpStream::connect(target).await else {
+        return;
+    };
+    let _ = server.set_zero_linger();
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    // Borrowed halves: unlike owned ones they send no FIN when dropped, so a reset is an RST.
+    let (mut client, mut server) = (client, server);
+    let (cr, cw) = client.split();
+    let (sr, sw) = server.split();
+    let both = async {
+        tokio::join!(pump(cr, sw, link.clone(), true), pump(sr, cw, link, false));
+    };
+    tokio::select! {
+        _ = both => {}
+        _ = resets.changed() => {}
+    }
+}
+
+/// One connection's view of the faults.
+#[derive(Clone)]
+struct Link {
+    /// The connection's number, in accept order.
+    id: u64,
+    fault: watch::Receiver<Faults>,
+    /// Set once the client's startup message asked for replication.
+    replication: Arc<AtomicBool>,
+}
+
+impl Link {
+    /// Waits until the fault lets traffic pass; the delay to apply, or `None` if the proxy
+    /// is gone.
+    async fn passable(&mut self) -> Option<Duration> {
+        loop {
+            let faults = *self.fault.borrow_and_update();
+            let now = if self.id < faults.stalled_below {
+                Fault::BlackHole
+            } else if self.replication.load(Ordering::Relaxed) {
+                faults.replication
+            } else {
+                faults.other
+            };
+            match now {
+                Fault::Pass => return Some(Duration::ZERO),
+                Fault::Delay(d) => return Some(d),
+                Fault::BlackHole => self.fault.changed().await.ok()?,
+            }
+        }
+    }
+}
+
+/// Whether a client's first bytes hold a startup message asking for replication.
+fn asks_for_replication(bytes: &[u8]) -> bool {
+    bytes.windows(12).any(|w| w == b"replication\0")
+}
+
+/// Forwards one direction (`up`: from the client).
+async fn pump(
+    mut from: tokio::net::tcp::ReadHalf<'_>,
+    mut to: tokio::net::tcp::WriteHalf<'_>,
+    mut link: Link,
+    up: bool,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut chunks = 0;
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => 0,
+            Ok(n) => n,
+        };
+        // The SSL request, then the startup message: the first chunks say what this is.
+        if up && chunks < 3 && asks_for_replication(&buf[..n]) {
+            link.replication.store(true, Ordering::Relaxed);
+        }
+        chunks += 1;
+        let Some(delay) = link.passable().await else {
+            return;
+        };
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+            // The fault may have turned into a black hole while this chunk waited.
+            if link.passable().await.is_none() {
+                return;
+            }
+        }
+        if n == 0 {
+            let _ = to.shutdown().await;
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
