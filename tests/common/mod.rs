@@ -2,8 +2,10 @@
 //! test, the relay in-process or as the real binary, and the asynq view of Valkey.
 #![allow(dead_code)]
 
+pub mod asynq_worker;
 pub mod certs;
 pub mod checker;
+pub mod observed;
 pub mod topologies;
 
 use clap::Parser;
