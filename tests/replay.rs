@@ -26,6 +26,8 @@ struct Replayed {
     duplicates: f64,
     published: f64,
     worker: AsynqWorker,
+    /// The server the worker talks to, kept running.
+    _redis: Redis,
 }
 
 /// 50 events delivered; the consumer completes 30 and starts 10; then the slot is rewound to
@@ -99,6 +101,7 @@ async fn replay_after_consumer(prefix: &str, extra: &[&str]) -> Replayed {
         duplicates,
         published,
         worker,
+        _redis: redis,
     }
 }
 
