@@ -15,9 +15,7 @@ struct Replica {
 
 /// Flags of every replica here: the standby checks every second and takes a silent slot over
 /// after 3 s (so a load of several times that would show a live replica being touched).
-const REPLICA: [&str; 8] = [
-    "--recovery-grace",
-    "2s",
+const REPLICA: [&str; 6] = [
     "--poll-interval",
     "200ms",
     "--health-interval",
@@ -28,7 +26,7 @@ const REPLICA: [&str; 8] = [
 
 impl Replica {
     fn spawn(db: &TestDb, redis_url: &str) -> Self {
-        Self::spawn_with(db, redis_url, &[])
+        Self::spawn_with(db, redis_url, &["--recovery-grace", "2s"])
     }
 
     fn spawn_with(db: &TestDb, redis_url: &str, extra: &[&str]) -> Self {
