@@ -225,13 +225,18 @@ async fn an_evicting_valkey_is_warned_about_at_start_up() {
     assert!(line["node"].is_string(), "{line}");
 }
 
-/// A row that cannot become a task is logged with its event_id (a structured field), so an
-/// operator can find it.
+/// A row that cannot become a task is logged by the stream with its event_id (a structured
+/// field), so an operator can find it. (Without the recovery poller, which logs it too.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_row_is_logged_with_its_event_id() {
     let db = TestDb::new("badlog").await;
     let redis = Redis::start();
-    let relay = ObservedRelay::spawn_streaming(&db, &redis.url, &["--log-format", "json"]).await;
+    let relay = ObservedRelay::spawn_streaming(
+        &db,
+        &redis.url,
+        &["--log-format", "json", "--recovery", "false"],
+    )
+    .await;
     let id = "00000000-0000-4000-8000-00000000bad1";
     db.client()
         .await
