@@ -234,7 +234,14 @@ async fn a_bad_row_is_logged_with_its_event_id() {
     let relay = ObservedRelay::spawn_streaming(
         &db,
         &redis.url,
-        &["--log-format", "json", "--recovery", "false"],
+        &[
+            "--log-format",
+            "json",
+            "--recovery",
+            "false",
+            "--on-slot-lost",
+            "stop",
+        ],
     )
     .await;
     let id = "00000000-0000-4000-8000-00000000bad1";

@@ -116,7 +116,11 @@ async fn a_live_replica_is_never_touched(least_privilege: bool) {
     };
     let redis = Redis::start();
     // The active one alone has no poller: whatever a poller delivers, a standby delivered.
-    let active = Replica::spawn_with(relay_db, &redis.url, &["--recovery", "false"]);
+    let active = Replica::spawn_with(
+        relay_db,
+        &redis.url,
+        &["--recovery", "false", "--on-slot-lost", "stop"],
+    );
     active
         .relay
         .wait_metric("outbox_stream_up", |v| v == 1.0)
