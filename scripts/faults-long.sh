@@ -21,7 +21,7 @@ mkdir -p "$ROOT/target"
 status=0
 for run in $(seq 1 "$RUNS"); do
     echo "==> run $run of $RUNS" >&2
-    if ! OUTBOX_FAULTS_LONG=1 "$ROOT/scripts/test.sh" --test faults -- --test-threads 1 --nocapture 2>&1 |
+    if ! OUTBOX_FAULTS_LONG=1 "$ROOT/scripts/test.sh" --test faults --test memory -- --test-threads 1 --nocapture 2>&1 |
         tee -a "$LOG" | grep -E '^(FAULT-SUMMARY|test result|test .* \.\.\. )' >&2; then
         status=1
     fi
@@ -43,7 +43,7 @@ for line in open(sys.argv[1]):
             agg[k] = max(agg[k], int(v))
         else:
             agg[k] += int(v)
-cols = ["runs", "faults", "transactions", "committed", "delivered", "missing", "duplicates", "leaked"]
+cols = ["runs", "faults", "transactions", "committed", "delivered", "missing", "duplicates", "leaked", "out_of_order", "replays"]
 print("| scenario | " + " | ".join(cols) + " |")
 print("|---|" + "---:|" * len(cols))
 for name, agg in rows.items():

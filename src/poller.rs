@@ -220,18 +220,20 @@ pub async fn listen(pg: PgTarget, channel: String, wake: Arc<Notify>, shutdown: 
 
 async fn listen_session(pg: &PgTarget, channel: &str, wake: &Arc<Notify>) -> Result<(), PgError> {
     let (client, mut conn) = pg.connect_raw().await?;
-    let wake = wake.clone();
+    let notify = wake.clone();
     let driver = tokio::spawn(async move {
         let mut messages = futures::stream::poll_fn(move |cx| conn.poll_message(cx));
         while let Some(m) = futures::StreamExt::next(&mut messages).await {
             if let tokio_postgres::AsyncMessage::Notification(_) = m? {
-                wake.notify_waiters();
-                wake.notify_one();
+                notify.notify_waiters();
+                notify.notify_one();
             }
         }
         Ok::<(), tokio_postgres::Error>(())
     });
     client.batch_execute(&format!("LISTEN {channel}")).await?;
+    // Rows committed while nobody listened notified nobody: poll once now.
+    wake.notify_one();
     tracing::debug!(channel, "listening for outbox notifications");
     let result = driver.await;
     drop(client);

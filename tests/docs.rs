@@ -499,3 +499,54 @@ fn check_compose(yaml: &str) {
         }
     }
 }
+
+/// Every source file under `dir` (recursively), as text.
+fn sources(dir: &std::path::Path, out: &mut String) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push_str(&std::fs::read_to_string(&path).unwrap());
+        }
+    }
+}
+
+/// docs/reliability.md's "What each test proves" names tests that exist: each test name there
+/// is a `fn` under tests/ or src/.
+#[test]
+fn reliability_md_names_only_existing_tests() {
+    let doc = read("docs/reliability.md");
+    let start = doc
+        .find("## What each test proves")
+        .expect("docs/reliability.md has a \"What each test proves\" section");
+    let section = &doc[start..];
+    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |i| i + 3)];
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut code = String::new();
+    sources(&root.join("tests"), &mut code);
+    sources(&root.join("src"), &mut code);
+    let mut named = 0;
+    let mut missing = Vec::new();
+    for line in section.lines().filter(|l| l.starts_with('|')) {
+        let Some(tests) = line.split('|').nth(2) else {
+            continue;
+        };
+        for span in code_spans(tests) {
+            let is_test_name = span.matches('_').count() >= 3
+                && !span.starts_with("outbox_")
+                && span
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+            if !is_test_name {
+                continue;
+            }
+            named += 1;
+            if !code.contains(&format!("fn {span}(")) {
+                missing.push(span.to_owned());
+            }
+        }
+    }
+    assert!(named >= 20, "only {named} test names found in the section");
+    assert!(missing.is_empty(), "no such test: {missing:?}");
+}

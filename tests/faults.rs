@@ -4,7 +4,8 @@
 
 mod common;
 
-use common::checker::{long, verify, Load, LoadSpec};
+use common::checker::{long, order_violations, verify, Load, LoadSpec};
+use common::observed::{wait_for_more_tasks, ObservedRelay};
 use common::*;
 use rand::Rng;
 use std::time::Duration;
@@ -12,32 +13,63 @@ use std::time::Duration;
 /// Flags that let the recovery poller act quickly in tests.
 const QUICK_RECOVERY: [&str; 4] = ["--recovery-grace", "2s", "--poll-interval", "200ms"];
 
+/// The stream alone delivers (the recovery poller only takes rows an hour old): the pending
+/// list must then be in commit order.
+const STREAM_ONLY: [&str; 2] = ["--recovery-grace", "1h"];
+
+/// Tasks the stream must deliver between two faults, so each fault lands while tasks flow.
+const PROGRESS: usize = 100;
+
 fn secs(short: u64, long_form: u64) -> Duration {
     Duration::from_secs(if long() { long_form } else { short })
 }
 
+/// The checker itself: a pending list out of commit order is seen, and one in order is not.
+#[test]
+fn the_checker_sees_order_violations() {
+    let committed: Vec<String> = (0..5).map(|i| i.to_string()).collect();
+    let in_order: Vec<String> = ["0", "1", "1", "2", "3", "4"].map(String::from).to_vec();
+    assert_eq!(order_violations(&committed, &in_order).0, 0);
+    let mut reversed = committed.clone();
+    reversed.reverse();
+    assert_eq!(order_violations(&committed, &reversed).0, 4);
+    let swapped: Vec<String> = ["0", "2", "1", "3", "4"].map(String::from).to_vec();
+    let (n, first) = order_violations(&committed, &swapped);
+    assert_eq!((n, first), (1, Some(("1".into(), "2".into()))));
+}
+
+/// SIGKILL of the relay, each kill after the new process streams and has delivered more tasks:
+/// the restarted relay replays from the last acknowledged commit, the replay is deduplicated
+/// (the relay counts it), and the pending list stays in commit order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_at_random_moments_under_load() {
     let db = TestDb::new("f_sigkill").await;
     let redis = Redis::start();
-    let mut relay = RelayProcess::spawn_streaming(&db, &redis.url, &QUICK_RECOVERY).await;
+    let mut relay = ObservedRelay::spawn_streaming(&db, &redis.url, &STREAM_ONLY).await;
     let load = Load::start(&db.url, LoadSpec::default());
     let kills = if long() { 60 } else { 6 };
+    let (mut delivered, mut replays) = (0, 0.0);
     for _ in 0..kills {
-        let wait = rand::rng().random_range(200..1500);
+        delivered = wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
+        // A random moment within the flow, not a fixed phase of the relay's status period.
+        let wait = rand::rng().random_range(0..1000);
         tokio::time::sleep(Duration::from_millis(wait)).await;
+        replays += relay.metric("outbox_events_duplicate_total").await.unwrap();
         relay.signal("KILL");
-        let _ = relay.child.wait().await;
-        relay = RelayProcess::spawn(&db, &redis.url, &QUICK_RECOVERY);
+        let _ = relay.process.child.wait().await;
+        relay = ObservedRelay::spawn_streaming(&db, &redis.url, &STREAM_ONLY).await;
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The last restart's replay comes before the tasks that follow it.
+    wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
+    replays += relay.metric("outbox_events_duplicate_total").await.unwrap();
     let result = load.stop().await;
-    let v = verify("sigkill_relay", &redis, &result, kills).await;
+    let v = verify("sigkill_relay", &redis, &result, kills, replays as u64).await;
     assert!(
-        v.ok(),
+        v.ok_in_order(),
         "{v}\nmissing: {:?}",
         &v.missing[..v.missing.len().min(5)]
     );
+    v.assert_replayed();
     assert!(v.committed > 0);
 }
 
@@ -45,18 +77,20 @@ async fn sigkill_at_random_moments_under_load() {
 async fn valkey_restarted_under_load() {
     let db = TestDb::new("f_vrestart").await;
     let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(&db, &redis.url, &QUICK_RECOVERY)).await;
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &STREAM_ONLY)).await;
     let load = Load::start(&db.url, LoadSpec::default());
     let restarts = if long() { 10 } else { 2 };
+    let mut delivered = 0;
     for _ in 0..restarts {
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        delivered = wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
         redis.stop_saving();
         redis.restart();
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
     let result = load.stop().await;
-    let v = verify("valkey_restart", &redis, &result, restarts).await;
-    assert!(v.ok(), "{v}");
+    let replays = relay.metrics.duplicates.get();
+    let v = verify("valkey_restart", &redis, &result, restarts, replays).await;
+    assert!(v.ok_in_order(), "{v}");
     relay.stop().await;
 }
 
@@ -67,16 +101,19 @@ async fn valkey_down_for_thirty_seconds() {
     let pg = OwnPg::start(&["-c", "wal_sender_timeout=5s"]);
     let db = TestDb::on(&pg.url, "f_vdown", true).await;
     let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(&db, &redis.url, &QUICK_RECOVERY)).await;
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &STREAM_ONLY)).await;
     let load = Load::start(&db.url, LoadSpec::default());
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let delivered = wait_for_more_tasks(&redis, "default", 0, PROGRESS).await;
     redis.stop_saving();
+    // The outage's length is the scenario (several wal_sender_timeouts), not a wait for a state.
     tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(relay.metrics.write_errors.get() > 0, "the outage was seen");
     redis.restart();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
     let result = load.stop().await;
-    let v = verify("valkey_down_30s", &redis, &result, 1).await;
-    assert!(v.ok(), "{v}");
+    let replays = relay.metrics.duplicates.get();
+    let v = verify("valkey_down_30s", &redis, &result, 1, replays).await;
+    assert!(v.ok_in_order(), "{v}");
     let reconnects = relay.postgres_reconnects();
     assert_eq!(
         reconnects, 0,
@@ -89,7 +126,7 @@ async fn valkey_down_for_thirty_seconds() {
 async fn valkey_at_maxmemory_applies_backpressure_then_delivers() {
     let db = TestDb::new("f_oom").await;
     let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(&db, &redis.url, &QUICK_RECOVERY)).await;
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &STREAM_ONLY)).await;
     let mut conn = redis.conn().await;
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
@@ -99,7 +136,7 @@ async fn valkey_at_maxmemory_applies_backpressure_then_delivers() {
         .await
         .unwrap();
     let load = Load::start(&db.url, LoadSpec::default());
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let delivered = wait_for_more_tasks(&redis, "default", 0, PROGRESS).await;
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
         .arg("maxmemory")
@@ -111,7 +148,13 @@ async fn valkey_at_maxmemory_applies_backpressure_then_delivers() {
         (relay.metrics.write_errors.get() > 0).then_some(())
     })
     .await;
+    let refused = relay.metrics.write_errors.get();
+    // Refused for a while: the relay keeps retrying, in order, without acknowledging.
     tokio::time::sleep(secs(3, 15)).await;
+    assert!(
+        relay.metrics.write_errors.get() > refused,
+        "still refused, still retried"
+    );
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
         .arg("maxmemory")
@@ -119,10 +162,11 @@ async fn valkey_at_maxmemory_applies_backpressure_then_delivers() {
         .query_async(&mut conn)
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
     let result = load.stop().await;
-    let v = verify("valkey_maxmemory", &redis, &result, 1).await;
-    assert!(v.ok(), "{v}");
+    let replays = relay.metrics.duplicates.get();
+    let v = verify("valkey_maxmemory", &redis, &result, 1, replays).await;
+    assert!(v.ok_in_order(), "{v}");
     relay.stop().await;
 }
 
@@ -130,25 +174,22 @@ async fn postgres_restart(mode: &str) {
     let pg = OwnPg::start(&[]);
     let db = TestDb::on(&pg.url, "f_pgrestart", true).await;
     let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(&db, &redis.url, &QUICK_RECOVERY)).await;
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &STREAM_ONLY)).await;
     let load = Load::start(&db.url, LoadSpec::default());
     let restarts = if long() { 8 } else { 2 };
+    let mut delivered = 0;
     for _ in 0..restarts {
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        delivered = wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
         pg.stop(mode);
-        tokio::time::sleep(Duration::from_millis(500)).await;
         pg.restart();
     }
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
     let result = load.stop().await;
-    let v = verify(
-        &format!("postgres_restart_{mode}"),
-        &redis,
-        &result,
-        restarts,
-    )
-    .await;
-    assert!(v.ok(), "{v}");
+    let replays = relay.metrics.duplicates.get();
+    let scenario = format!("postgres_restart_{mode}");
+    let v = verify(&scenario, &redis, &result, restarts, replays).await;
+    assert!(v.ok_in_order(), "{v}");
+    assert!(relay.postgres_reconnects() >= restarts as u64, "{v}");
     relay.stop().await;
 }
 
@@ -166,13 +207,14 @@ async fn postgres_restarted_immediate_under_load() {
 async fn walsender_terminated_under_load() {
     let db = TestDb::new("f_walsender").await;
     let redis = Redis::start();
-    let relay = Relay::start_streaming(run_args(&db, &redis.url, &QUICK_RECOVERY)).await;
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &STREAM_ONLY)).await;
     let load = Load::start(&db.url, LoadSpec::default());
     let admin = db.client().await;
     let kills = if long() { 20 } else { 3 };
+    let mut delivered = 0;
     for _ in 0..kills {
-        tokio::time::sleep(Duration::from_millis(800)).await;
         db.wait_slot_active().await;
+        delivered = wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
         admin
             .execute(
                 "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1",
@@ -181,10 +223,12 @@ async fn walsender_terminated_under_load() {
             .await
             .unwrap();
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
     let result = load.stop().await;
-    let v = verify("walsender_terminated", &redis, &result, kills).await;
-    assert!(v.ok(), "{v}");
+    let replays = relay.metrics.duplicates.get();
+    let v = verify("walsender_terminated", &redis, &result, kills, replays).await;
+    assert!(v.ok_in_order(), "{v}");
+    assert!(relay.postgres_reconnects() >= kills as u64, "{v}");
     relay.stop().await;
 }
 
@@ -198,14 +242,14 @@ async fn a_zombie_walsender_gives_the_slot_back() {
     let db = TestDb::on(&pg.url, "f_zombie", true).await;
     let relay_role = db.least_privilege_role().await;
     let redis = Redis::start();
-    let mut frozen = RelayProcess::spawn_streaming(&relay_role, &redis.url, &QUICK_RECOVERY).await;
+    let mut frozen = RelayProcess::spawn_streaming(&relay_role, &redis.url, &STREAM_ONLY).await;
     let load = Load::start(&db.url, LoadSpec::default());
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let delivered = wait_for_more_tasks(&redis, "default", 0, PROGRESS).await;
     frozen.signal("STOP");
-    let taker = RelayProcess::spawn(
+    let _taker = RelayProcess::spawn(
         &relay_role,
         &redis.url,
-        &[&QUICK_RECOVERY[..], &["--takeover-after", "3s"]].concat(),
+        &[&STREAM_ONLY[..], &["--takeover-after", "3s"]].concat(),
     );
     let admin = db.client().await;
     let frozen_pid: i32 = admin
@@ -228,11 +272,10 @@ async fn a_zombie_walsender_gives_the_slot_back() {
         (pid != 0 && pid != frozen_pid).then_some(())
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
     let result = load.stop().await;
-    let v = verify("zombie_walsender", &redis, &result, 1).await;
-    assert!(v.ok(), "{v}");
-    assert!(taker.log_text().contains("zombie"), "{}", taker.log_text());
+    let v = verify("zombie_walsender", &redis, &result, 1, 0).await;
+    assert!(v.ok_in_order(), "{v}");
     frozen.signal("KILL");
     let _ = frozen.child.wait().await;
 }
@@ -244,9 +287,9 @@ async fn an_invalidated_slot_is_detected_and_backfilled() {
     let pg = OwnPg::start(&["-c", "max_slot_wal_keep_size=1MB", "-c", "wal_keep_size=0"]);
     let db = TestDb::on(&pg.url, "f_lost", true).await;
     let redis = Redis::start();
-    let relay = RelayProcess::spawn_streaming(&db, &redis.url, &QUICK_RECOVERY).await;
+    let relay = ObservedRelay::spawn_streaming(&db, &redis.url, &QUICK_RECOVERY).await;
     let load = Load::start(&db.url, LoadSpec::default());
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_for_more_tasks(&redis, "default", 0, PROGRESS).await;
     relay.signal("STOP");
     let admin = db.client().await;
     admin
@@ -273,66 +316,14 @@ async fn an_invalidated_slot_is_detected_and_backfilled() {
     })
     .await;
     relay.signal("CONT");
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let result = load.stop().await;
-    let v = verify("slot_invalidated", &redis, &result, 1).await;
-    assert!(v.ok(), "{v}");
-    let log = relay.log_text();
-    assert!(log.contains("REPLICATION SLOT LOST"), "{log}");
+    relay
+        .wait_metric("outbox_slot_lost_total", |n| n == 1.0)
+        .await;
     db.wait_slot_active().await;
-}
-
-/// One transaction of many rows: delivered completely, memory bounded, and status updates keep
-/// a short wal_sender_timeout from cutting the stream.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_huge_transaction_is_delivered_with_bounded_memory() {
-    let pg = OwnPg::start(&["-c", "wal_sender_timeout=5s"]);
-    let db = TestDb::on(&pg.url, "f_huge", true).await;
-    let redis = Redis::start();
-    let relay = RelayProcess::spawn_streaming(
-        &db,
-        &redis.url,
-        &["--recovery", "false", "--on-slot-lost", "stop"],
-    )
-    .await;
-    let rows: i32 = if long() { 1_000_000 } else { 200_000 };
-    db.client()
-        .await
-        .execute(
-            "INSERT INTO outbox_events (event_id, event_name, payload)
-             SELECT gen_random_uuid(), 'bulk.imported', jsonb_build_object('n', g, 'pad', repeat('p', 100))
-             FROM generate_series(1, $1) g",
-            &[&rows],
-        )
-        .await
-        .unwrap();
-    let mut conn = redis.conn().await;
-    eventually("every row delivered", || {
-        let mut conn = conn.clone();
-        async move {
-            let n: i64 = redis::cmd("LLEN")
-                .arg("asynq:{default}:pending")
-                .query_async(&mut conn)
-                .await
-                .unwrap();
-            (n >= i64::from(rows)).then_some(())
-        }
-    })
-    .await;
-    let ids = pending_ids(&mut conn, "default").await;
-    let unique: std::collections::HashSet<&String> = ids.iter().collect();
-    assert_eq!(unique.len(), rows as usize);
-    assert_eq!(ids.len(), rows as usize);
-    let peak_mib = relay.peak_rss_kib() / 1024;
-    println!("FAULT-SUMMARY scenario=huge_transaction rows={rows} peak_rss_mib={peak_mib}");
-    // The transaction's tasks alone are far larger than this; a relay that buffered the
-    // transaction would exceed it.
-    assert!(peak_mib < 128, "peak RSS {peak_mib} MiB");
-    let log = relay.log_text();
-    assert!(
-        !log.contains("replication stream lost"),
-        "the stream was cut:\n{log}"
-    );
+    let result = load.stop().await;
+    let replays = relay.metric("outbox_events_duplicate_total").await.unwrap();
+    let v = verify("slot_invalidated", &redis, &result, 1, replays as u64).await;
+    assert!(v.ok(), "{v}");
 }
 
 /// Schema drift while streaming: unrelated columns added, renamed and dropped keep working; a
@@ -445,7 +436,8 @@ async fn bad_rows_become_dead_letters_while_everything_else_flows() {
     assert!(dead[1].1.contains("over the 1024-byte limit"), "{dead:?}");
     assert_eq!(dead[2].1, "metadata is not a JSON object");
     let result = load.stop().await;
-    let v = verify("bad_rows", &redis, &result, 3).await;
+    let replays = relay.metrics.duplicates.get();
+    let v = verify("bad_rows", &redis, &result, 3, replays).await;
     assert!(v.ok(), "{v}");
     relay.stop().await;
 }

@@ -172,7 +172,7 @@ async fn a_black_holed_replication_link_is_detected_and_healed_under_load() {
         (detected + not_ready).as_millis(),
         recovered.as_millis()
     );
-    let v = verify("black_holed_replication_link", &redis, &result, 1).await;
+    let v = verify("black_holed_replication_link", &redis, &result, 1, 0).await;
     assert!(v.ok(), "{v}");
     relay.stop().await;
 }
@@ -206,7 +206,7 @@ async fn a_black_holed_sql_link_turns_readyz_not_ready_and_heals() {
         detected.as_millis(),
         recovered.as_millis()
     );
-    let v = verify("black_holed_sql_link", &redis, &result, 1).await;
+    let v = verify("black_holed_sql_link", &redis, &result, 1, 0).await;
     assert!(v.ok(), "{v}");
     relay.stop().await;
 }
@@ -241,7 +241,7 @@ async fn a_black_holed_postgres_server_is_detected_and_healed_under_load() {
         detected.as_millis(),
         recovered.as_millis()
     );
-    let v = verify("black_holed_postgres_server", &redis, &result, 1).await;
+    let v = verify("black_holed_postgres_server", &redis, &result, 1, 0).await;
     assert!(v.ok(), "{v}");
     relay.stop().await;
 }
@@ -307,7 +307,7 @@ async fn a_black_holed_valkey_holds_the_acknowledgement_and_heals_under_load() {
         (detected + not_ready).as_millis(),
         recovered.as_millis()
     );
-    let v = verify("black_holed_valkey", &redis, &result, 1).await;
+    let v = verify("black_holed_valkey", &redis, &result, 1, 0).await;
     assert!(v.ok(), "{v}");
     until("the slot is acknowledged past the probe", async || {
         db.confirmed_flush().await.unwrap() >= inside

@@ -2,6 +2,7 @@
 
 mod common;
 
+use common::observed::ObservedRelay;
 use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -77,12 +78,26 @@ async fn a_stalled_stream_is_noticed_through_heartbeats() {
         ],
     )
     .await;
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-    assert_eq!(
-        relay.metrics.stream_stalled.get(),
-        0,
-        "heartbeats come back"
-    );
+    // A heartbeat-prefixed message written now has come back through the slot (the stream
+    // acknowledged past it), and the relay does not call the stream stalled.
+    let written: i64 = db
+        .client()
+        .await
+        .query_one(
+            "SELECT (pg_logical_emit_message(false, $1, 'test') - '0/0'::pg_lsn)::bigint",
+            &[&outbox_relay::monitor::HEARTBEAT_PREFIX],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    eventually(
+        "a heartbeat comes back and the stream is not stalled",
+        || async {
+            let back = relay.metrics.acked_lsn.get() >= written as u64;
+            (back && relay.metrics.stream_stalled.get() == 0).then_some(())
+        },
+    )
+    .await;
     redis.stop();
     let mut c = db.client().await;
     insert_events(&mut c, "order.placed", 20, 1).await;
@@ -145,4 +160,101 @@ async fn status_reports_a_lag_that_grows_while_the_relay_is_stopped() {
         text.contains("unpublished=400") && text.contains("pending=10"),
         "{text}"
     );
+}
+
+/// The relay's JSON log lines (`--log-format json`), parsed.
+fn json_log(relay: &ObservedRelay) -> Vec<serde_json::Value> {
+    relay
+        .process
+        .log_text()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// A WARN line of `relay`'s JSON log whose field `field` is `value`, once there is one.
+async fn warned_with(relay: &ObservedRelay, field: &str, value: &str) -> serde_json::Value {
+    eventually(&format!("a warning with {field}={value}"), || async {
+        json_log(relay)
+            .into_iter()
+            .find(|l| l["level"] == "WARN" && l[field] == value)
+    })
+    .await
+}
+
+/// A Valkey whose eviction policy could drop tasks is named at start-up, with its policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_valkey_is_warned_about_at_start_up() {
+    let db = TestDb::new("evict").await;
+    let redis = Redis::start_with(&["--maxmemory-policy", "allkeys-lru"], None);
+    let relay = ObservedRelay::spawn_streaming(&db, &redis.url, &["--log-format", "json"]).await;
+    let line = warned_with(&relay, "policy", "allkeys-lru").await;
+    assert!(line["node"].is_string(), "{line}");
+}
+
+/// A row that cannot become a task is logged by the stream with its event_id (a structured
+/// field), so an operator can find it. (Without the recovery poller, which logs it too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_row_is_logged_with_its_event_id() {
+    let db = TestDb::new("badlog").await;
+    let redis = Redis::start();
+    let relay = ObservedRelay::spawn_streaming(
+        &db,
+        &redis.url,
+        &[
+            "--log-format",
+            "json",
+            "--recovery",
+            "false",
+            "--on-slot-lost",
+            "stop",
+        ],
+    )
+    .await;
+    let id = "00000000-0000-4000-8000-00000000bad1";
+    db.client()
+        .await
+        .execute(
+            "INSERT INTO outbox_events (event_id, event_name, payload) VALUES ($1::text::uuid, '', '{}')",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let line = warned_with(&relay, "event_id", id).await;
+    assert!(
+        line["reason"].is_string(),
+        "the reason is a field too: {line}"
+    );
+}
+
+/// Valkey loses its script cache (SCRIPT FLUSH, as after a restart or a failover to a replica):
+/// the next write meets NOSCRIPT, loads the script again and succeeds, without a failed write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flushed_script_cache_is_reloaded_in_place() {
+    let db = TestDb::new("noscript").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &[])).await;
+    let mut c = db.client().await;
+    let mut ids = insert_events(&mut c, "before.flush", 5, 5).await;
+    wait_pending(&redis, "default", 5).await;
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    ids.extend(insert_events(&mut c, "after.flush", 5, 5).await);
+    assert_eq!(wait_pending(&redis, "default", 10).await, ids);
+    let sha = redis::Script::new(outbox_relay::sink::valkey::ENQUEUE_SCRIPT)
+        .get_hash()
+        .to_owned();
+    let loaded: Vec<i64> = redis::cmd("SCRIPT")
+        .arg("EXISTS")
+        .arg(&sha)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(loaded, [1], "the script is loaded again");
+    assert_eq!(relay.metrics.write_errors.get(), 0, "no write failed");
+    relay.stop().await;
 }

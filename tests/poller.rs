@@ -337,7 +337,23 @@ async fn cleanup_removes_only_old_published_rows() {
     assert_eq!(left, ["new.published", "unpublished", "old.unpublished"]);
 }
 
-/// With the optional insert trigger, poll mode is woken by NOTIFY instead of its interval.
+/// The backend of the relay's notification connection once its LISTEN has completed: (pid,
+/// backend_start).
+async fn listener(c: &tokio_postgres::Client, db: &TestDb) -> Option<(i32, std::time::SystemTime)> {
+    let row = c
+        .query_opt(
+            "SELECT pid, backend_start FROM pg_stat_activity
+             WHERE datname = $1 AND query LIKE 'LISTEN %' AND state = 'idle'",
+            &[&db.name],
+        )
+        .await
+        .unwrap()?;
+    Some((row.get(0), row.get(1)))
+}
+
+/// With the optional insert trigger, poll mode is woken by NOTIFY instead of its interval (an
+/// hour here). And rows committed while the notification connection was down are polled as
+/// soon as it listens again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notify_wakes_poll_mode_before_its_interval() {
     let db = TestDb::new("notify").await;
@@ -348,15 +364,43 @@ async fn notify_wakes_poll_mode_before_its_interval() {
         &redis.url,
         &["--mode", "poll", "--poll-interval", "1h"],
     ));
-    eventually("the first (empty) round is done", || async {
-        (relay.metrics.poller_rounds.get() >= 1).then_some(())
-    })
-    .await;
-    // Give the listener time to subscribe; the next round is an hour away otherwise.
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let mut c = db.client().await;
+    let (pid, _) = eventually("the relay listens", || listener(&c, &db)).await;
+    let rounds = relay.metrics.poller_rounds.get();
     let ids = insert_events(&mut c, "woken.up", 3, 3).await;
     assert_eq!(wait_pending(&redis, "default", 3).await, ids);
+    // Delivered by a round after the first (the round is counted once its rows are written).
+    eventually("a round after the notification", || async {
+        (relay.metrics.poller_rounds.get() > rounds).then_some(())
+    })
+    .await;
+
+    // The notification connection is cut, and a row is committed before it listens again: no
+    // notification reaches the relay for that row.
+    let mut all = ids;
+    let mut pid = pid;
+    loop {
+        c.execute("SELECT pg_terminate_backend($1)", &[&pid])
+            .await
+            .unwrap();
+        all.extend(insert_events(&mut c, "while.deaf", 1, 1).await);
+        let committed_by: std::time::SystemTime = c
+            .query_one("SELECT clock_timestamp()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let (again, since) = eventually("the relay listens again", || async {
+            listener(&c, &db).await.filter(|(p, _)| *p != pid)
+        })
+        .await;
+        pid = again;
+        if since > committed_by {
+            break;
+        }
+        // It was listening again before the insert: the row was notified; cut it again.
+        assert_eq!(wait_pending(&redis, "default", all.len()).await, all);
+    }
+    assert_eq!(wait_pending(&redis, "default", all.len()).await, all);
     relay.stop().await;
 }
 

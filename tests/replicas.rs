@@ -4,56 +4,56 @@
 mod common;
 
 use common::checker::{verify, Load, LoadSpec};
+use common::observed::{wait_for_more_tasks, ObservedRelay};
 use common::*;
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A relay binary with a known metrics port.
 struct Replica {
-    process: RelayProcess,
-    http: std::net::SocketAddr,
+    relay: ObservedRelay,
 }
+
+/// Flags of every replica here: the standby checks every second and takes a silent slot over
+/// after 3 s (so a load of several times that would show a live replica being touched).
+const REPLICA: [&str; 6] = [
+    "--poll-interval",
+    "200ms",
+    "--health-interval",
+    "200ms",
+    "--takeover-after",
+    "3s",
+];
 
 impl Replica {
     fn spawn(db: &TestDb, redis_url: &str) -> Self {
-        let http: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let process = RelayProcess::spawn(
-            db,
-            redis_url,
-            &[
-                "--metrics-addr",
-                &http.to_string(),
-                "--recovery-grace",
-                "2s",
-                "--poll-interval",
-                "200ms",
-                "--health-interval",
-                "200ms",
-            ],
-        );
-        Self { process, http }
+        Self::spawn_with(db, redis_url, &["--recovery-grace", "2s"])
+    }
+
+    fn spawn_with(db: &TestDb, redis_url: &str, extra: &[&str]) -> Self {
+        let relay = ObservedRelay::spawn(db, redis_url, &[&REPLICA[..], extra].concat());
+        Self { relay }
     }
 
     /// `outbox_stream_up`, `outbox_stream_standby`, or None while the endpoint is not up.
     async fn state(&self) -> Option<(f64, f64)> {
-        let conn = tokio::net::TcpStream::connect(self.http).await.ok()?;
-        drop(conn);
-        let (status, text) = http_get(self.http, "/metrics").await;
-        if status != 200 {
-            return None;
-        }
+        let text = self.relay.metrics().await?;
         Some((
             metric_value(&text, "outbox_stream_up")?,
             metric_value(&text, "outbox_stream_standby")?,
         ))
     }
+}
+
+/// The pid of the walsender holding the slot (0 when none does).
+async fn active_pid(admin: &tokio_postgres::Client, slot: &str) -> i32 {
+    admin
+        .query_one(
+            "SELECT coalesce(active_pid, 0) FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -74,16 +74,16 @@ async fn one_replica_streams_and_another_takes_over_when_it_dies() {
     let active = states.iter().position(|s| s.0 == 1.0).unwrap();
     // Every replica is ready: standbys deliver through their pollers.
     for r in &replicas {
-        let (status, body) = http_get(r.http, "/readyz").await;
+        let (status, body) = http_get(r.relay.http, "/readyz").await;
         assert_eq!(status, 200, "{body} {:?}", r.state().await);
     }
 
     let load = Load::start(&db.url, LoadSpec::default());
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    let delivered = wait_for_more_tasks(&redis, "default", 0, 100).await;
     let mut dead = replicas.remove(active);
-    dead.process.signal("KILL");
+    dead.relay.signal("KILL");
     let killed_at = Instant::now();
-    let _ = dead.process.child.wait().await;
+    let _ = dead.relay.process.child.wait().await;
     eventually("another replica streams", || async {
         for r in &replicas {
             if r.state().await.is_some_and(|s| s.0 == 1.0) {
@@ -95,8 +95,124 @@ async fn one_replica_streams_and_another_takes_over_when_it_dies() {
     .await;
     let takeover = killed_at.elapsed();
     println!("REPLICA-TAKEOVER seconds={:.2}", takeover.as_secs_f64());
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_for_more_tasks(&redis, "default", delivered, 100).await;
     let result = load.stop().await;
-    let v = verify("replica_takeover", &redis, &result, 1).await;
+    let v = verify("replica_takeover", &redis, &result, 1, 0).await;
     assert!(v.ok(), "{v}");
+}
+
+/// One replica streams while two stand by, under a load that lasts several times
+/// `OUTBOX_TAKEOVER_AFTER` and includes a transaction that takes longer than that to deliver:
+/// the streaming replica's walsender is never terminated (its pid never changes) and it never
+/// reconnects. The standbys' recovery pollers deliver rows the stream left unpublished.
+async fn a_live_replica_is_never_touched(least_privilege: bool) {
+    let db = TestDb::new("live_replica").await;
+    let lp;
+    let relay_db = if least_privilege {
+        lp = db.least_privilege_role().await;
+        &lp
+    } else {
+        &db
+    };
+    let redis = Redis::start();
+    // The active one alone has no poller: whatever a poller delivers, a standby delivered.
+    let active = Replica::spawn_with(
+        relay_db,
+        &redis.url,
+        &["--recovery", "false", "--on-slot-lost", "stop"],
+    );
+    active
+        .relay
+        .wait_metric("outbox_stream_up", |v| v == 1.0)
+        .await;
+    // The standbys' pollers take rows ten minutes old only: none of the load's.
+    let standbys = [
+        Replica::spawn_with(relay_db, &redis.url, &["--recovery-grace", "10m"]),
+        Replica::spawn_with(relay_db, &redis.url, &["--recovery-grace", "10m"]),
+    ];
+    for s in &standbys {
+        s.relay
+            .wait_metric("outbox_stream_standby", |v| v == 1.0)
+            .await;
+    }
+    let admin = db.client().await;
+    let pid = active_pid(&admin, &db.slot).await;
+    assert_ne!(pid, 0);
+
+    let load = Load::start(&db.url, LoadSpec::default());
+    let big = {
+        let url = db.url.clone();
+        tokio::spawn(async move {
+            let mut c = connect(&url).await;
+            insert_events(&mut c, "bulk.imported", 50_000, 50_000).await
+        })
+    };
+    // Three times the takeover delay: the scenario's length, during which each standby checks
+    // the slot's holder every second.
+    let until = Instant::now() + Duration::from_secs(9);
+    let mut samples = 0;
+    while Instant::now() < until || !big.is_finished() {
+        assert_eq!(
+            active_pid(&admin, &db.slot).await,
+            pid,
+            "the live walsender was replaced"
+        );
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let bulk = big.await.unwrap();
+    let result = load.stop().await;
+    let v = verify("live_replica", &redis, &result, 0, 0).await;
+    assert!(v.ok_in_order(), "{v}");
+    wait_pending(&redis, "default", result.committed.len() + bulk.len()).await;
+    assert_eq!(
+        active_pid(&admin, &db.slot).await,
+        pid,
+        "the live walsender was replaced"
+    );
+    let reconnects = active
+        .relay
+        .metric("outbox_reconnects_total{target=\"postgres\"}")
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(reconnects, 0.0, "the streaming replica reconnected");
+    assert_eq!(active.state().await, Some((1.0, 0.0)));
+    println!("LIVE-REPLICA samples={samples} pid={pid} least_privilege={least_privilege}");
+
+    // Rows the stream delivered, made unpublished and old again: only the standbys' pollers
+    // can send them (again: Valkey has them, so nothing is pushed twice).
+    let polled = || async {
+        let mut sum = 0.0;
+        for s in &standbys {
+            sum += s.relay.metric("outbox_poller_delivered_total").await?;
+        }
+        Some(sum)
+    };
+    let before = polled().await.unwrap();
+    let unmarked = admin
+        .execute(
+            "UPDATE outbox_events SET published_at = NULL, created_at = created_at - interval '1 hour'
+             WHERE id IN (SELECT id FROM outbox_events ORDER BY id LIMIT 200)",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(unmarked, 200);
+    eventually("the standbys' pollers deliver them", || async {
+        polled().await.filter(|n| *n >= before + 200.0)
+    })
+    .await;
+    let v = verify("live_replica_pollers", &redis, &result, 0, 0).await;
+    assert!(v.ok_in_order(), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_replica_is_never_touched_as_superuser() {
+    a_live_replica_is_never_touched(false).await;
+}
+
+/// As the role of docs/least-privilege.sql.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_replica_is_never_touched_as_the_least_privilege_role() {
+    a_live_replica_is_never_touched(true).await;
 }

@@ -4,7 +4,6 @@ mod common;
 
 use common::*;
 use std::collections::HashSet;
-use std::time::Duration;
 
 /// 10,000 events in transactions of 1, 10 and 1,000 rows become exactly 10,000 asynq tasks in
 /// the Go kit's format, in commit order. The relay runs as the least-privilege role of
@@ -158,10 +157,36 @@ async fn valkey_down_holds_the_acknowledgement() {
     wait_pending(&redis, "default", warmup.len()).await;
 
     redis.stop();
+    let errors_before = relay.metrics.write_errors.get();
     let ids = insert_events(&mut c, "while.down", 300, 30).await;
     let after_commit = db.current_lsn().await;
-    // Several status-update periods pass while Valkey is down.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // The relay has read the rows and its writes fail...
+    eventually("writes of the new rows fail", || async {
+        (relay.metrics.write_errors.get() > errors_before).then_some(())
+    })
+    .await;
+    // ...and it has since sent the walsender two more status updates (reply_time moves once
+    // per update): the acknowledgement is held while they go on.
+    let reply_time = || async {
+        let row = db
+            .client()
+            .await
+            .query_one(
+                "SELECT r.reply_time::text FROM pg_stat_replication r
+                 JOIN pg_replication_slots s ON s.active_pid = r.pid WHERE s.slot_name = $1",
+                &[&db.slot],
+            )
+            .await
+            .unwrap();
+        row.get::<_, Option<String>>(0)
+    };
+    for _ in 0..2 {
+        let seen = reply_time().await;
+        eventually("a status update", || async {
+            (reply_time().await != seen).then_some(())
+        })
+        .await;
+    }
     let held = db.confirmed_flush().await.unwrap();
     assert!(
         held < after_commit,
@@ -245,9 +270,21 @@ async fn sigterm_acknowledges_and_exits_zero() {
     )
     .await;
     let mut c = db.client().await;
-    let ids = insert_events(&mut c, "order.placed", 500, 50).await;
-    let after_commit = db.current_lsn().await;
-    wait_pending(&redis, "default", ids.len()).await;
+    // Delivered but not yet acknowledged by a periodic status update when SIGTERM comes: only
+    // the final acknowledgement can move the slot past them. (A periodic update that came
+    // first means another round.)
+    let mut delivered = 0;
+    let mut after_commit = None;
+    for _ in 0..20 {
+        delivered += insert_events(&mut c, "order.placed", 500, 50).await.len();
+        let committed = db.current_lsn().await;
+        wait_pending(&redis, "default", delivered).await;
+        if db.confirmed_flush().await.unwrap() < committed {
+            after_commit = Some(committed);
+            break;
+        }
+    }
+    let after_commit = after_commit.expect("every round was acknowledged before SIGTERM");
     relay.signal("TERM");
     let status = relay.child.wait().await.unwrap();
     assert!(

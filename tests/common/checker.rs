@@ -1,7 +1,9 @@
 //! The invariant checker of the fault suite: a producer load of mixed transaction sizes (some
-//! rolled back) that records what it committed, and a verdict comparing the committed
-//! `event_id`s with the asynq tasks in Valkey: zero missing, zero ids pushed twice to a pending
-//! list, zero tasks from rolled-back transactions.
+//! rolled back) that records what it committed, in commit order, and a verdict comparing the
+//! committed `event_id`s with the asynq tasks in Valkey: zero missing, zero ids pushed twice to a
+//! pending list, zero tasks from rolled-back transactions, first occurrences in the pending list
+//! in commit order, and the replays the relay saw (its `outbox_events_duplicate_total`: tasks
+//! re-sent whose TaskID already existed), so a scenario that must replay can assert it did.
 
 use super::{connect, pending_ids, Redis, PATIENCE};
 use rand::Rng;
@@ -34,12 +36,16 @@ impl Default for LoadSpec {
 /// What the producer did.
 #[derive(Debug, Default)]
 pub struct LoadResult {
+    /// Committed ids in commit order (transaction by transaction, rows in insert order).
     pub committed: Vec<String>,
     pub rolled_back: Vec<String>,
     /// Commits whose outcome the producer could not see (connection lost during COMMIT),
     /// resolved against the table afterwards.
     pub uncertain: Vec<String>,
     pub transactions: usize,
+    /// Every id whose COMMIT was sent (committed or uncertain), in the order sent: the commit
+    /// order of those that committed.
+    sent: Vec<String>,
 }
 
 /// A running producer.
@@ -75,13 +81,16 @@ impl Load {
                 .await
                 .unwrap();
             let found: HashSet<String> = rows.iter().map(|r| r.get(0)).collect();
-            for id in std::mem::take(&mut result.uncertain) {
-                if found.contains(&id) {
-                    result.committed.push(id);
-                } else {
-                    result.rolled_back.push(id);
-                }
-            }
+            let uncertain: HashSet<String> =
+                std::mem::take(&mut result.uncertain).into_iter().collect();
+            result
+                .rolled_back
+                .extend(uncertain.iter().filter(|id| !found.contains(*id)).cloned());
+            // Back into commit order, the uncertain commits that happened among the others.
+            result.committed = std::mem::take(&mut result.sent)
+                .into_iter()
+                .filter(|id| !uncertain.contains(id) || found.contains(id))
+                .collect();
         }
         result
     }
@@ -116,12 +125,16 @@ async fn produce(url: String, spec: LoadSpec, stop: CancellationToken) -> LoadRe
             .collect();
         match one_transaction(c, &ids, rollback).await {
             Ok(()) if rollback => out.rolled_back.extend(ids),
-            Ok(()) => out.committed.extend(ids),
+            Ok(()) => {
+                out.sent.extend(ids.iter().cloned());
+                out.committed.extend(ids);
+            }
             Err(Stage::Before) => {
                 out.rolled_back.extend(ids);
                 client = None;
             }
             Err(Stage::Commit) => {
+                out.sent.extend(ids.iter().cloned());
                 out.uncertain.extend(ids);
                 client = None;
             }
@@ -147,7 +160,7 @@ async fn one_transaction(
         "INSERT INTO outbox_events (event_id, event_name, payload, metadata)
          SELECT id::uuid, 'fault.test', jsonb_build_object('n', ord, 'pad', repeat('p', 64)),
                 '{\"traceparent\": \"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\"}'
-         FROM unnest($1::text[]) WITH ORDINALITY AS t(id, ord)",
+         FROM unnest($1::text[]) WITH ORDINALITY AS t(id, ord) ORDER BY ord",
         &[&ids],
     )
     .await
@@ -171,12 +184,32 @@ pub struct Verdict {
     pub duplicates: usize,
     /// Tasks of rolled-back transactions.
     pub leaked: usize,
+    /// Committed ids whose first occurrence in the pending list comes before that of an id
+    /// committed earlier (0 when the list is in commit order).
+    pub out_of_order: usize,
+    /// The first such pair: (committed earlier, pushed earlier).
+    pub first_inversion: Option<(String, String)>,
+    /// Tasks the relay re-sent that Valkey already had (`outbox_events_duplicate_total`).
+    pub replays: u64,
     pub faults: usize,
 }
 
 impl Verdict {
+    /// Nothing missing, nothing pushed twice, nothing leaked.
     pub fn ok(&self) -> bool {
         self.missing.is_empty() && self.duplicates == 0 && self.leaked == 0
+    }
+
+    /// [`ok`](Self::ok), and the pending list in commit order.
+    pub fn ok_in_order(&self) -> bool {
+        self.ok() && self.out_of_order == 0
+    }
+
+    /// For scenarios that must replay: the relay re-sent tasks Valkey already had, and the
+    /// dedupe absorbed them (nothing pushed twice).
+    pub fn assert_replayed(&self) {
+        assert!(self.replays > 0, "the fault did not cause a replay: {self}");
+        assert_eq!(self.duplicates, 0, "a replay was pushed twice: {self}");
     }
 }
 
@@ -184,7 +217,7 @@ impl fmt::Display for Verdict {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "FAULT-SUMMARY scenario={} faults={} transactions={} committed={} delivered={} missing={} duplicates={} leaked={}",
+            "FAULT-SUMMARY scenario={} faults={} transactions={} committed={} delivered={} missing={} duplicates={} leaked={} out_of_order={} replays={}",
             self.scenario,
             self.faults,
             self.transactions,
@@ -192,13 +225,26 @@ impl fmt::Display for Verdict {
             self.delivered,
             self.missing.len(),
             self.duplicates,
-            self.leaked
-        )
+            self.leaked,
+            self.out_of_order,
+            self.replays
+        )?;
+        if let Some((earlier, pushed)) = &self.first_inversion {
+            write!(f, " (committed first: {earlier}, pushed first: {pushed})")?;
+        }
+        Ok(())
     }
 }
 
-/// Waits (bounded) until every committed event is in the pending list, then compares.
-pub async fn verify(scenario: &str, redis: &Redis, load: &LoadResult, faults: usize) -> Verdict {
+/// Waits (bounded) until every committed event is in the pending list, then compares. `replays`
+/// is the relay's `outbox_events_duplicate_total` (summed over its processes).
+pub async fn verify(
+    scenario: &str,
+    redis: &Redis,
+    load: &LoadResult,
+    faults: usize,
+    replays: u64,
+) -> Verdict {
     let mut conn = redis.conn().await;
     let committed: HashSet<&String> = load.committed.iter().collect();
     let deadline = tokio::time::Instant::now() + PATIENCE;
@@ -222,6 +268,7 @@ pub async fn verify(scenario: &str, redis: &Redis, load: &LoadResult, faults: us
     };
     let unique: HashSet<&String> = pending.iter().collect();
     let rolled_back: HashSet<&String> = load.rolled_back.iter().collect();
+    let (out_of_order, first_inversion) = order_violations(&load.committed, &pending);
     let verdict = Verdict {
         scenario: scenario.to_owned(),
         transactions: load.transactions,
@@ -234,10 +281,46 @@ pub async fn verify(scenario: &str, redis: &Redis, load: &LoadResult, faults: us
             .collect(),
         duplicates: pending.len() - unique.len(),
         leaked: unique.iter().filter(|id| rolled_back.contains(*id)).count(),
+        out_of_order,
+        first_inversion,
+        replays,
         faults,
     };
     println!("{verdict}");
     verdict
+}
+
+/// Counts committed ids whose first occurrence in `pending` (oldest first) comes after that of
+/// an id committed later; returns the count and the first inverted pair.
+pub fn order_violations(
+    committed: &[String],
+    pending: &[String],
+) -> (usize, Option<(String, String)>) {
+    let position: std::collections::HashMap<&str, usize> = committed
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (id.as_str(), i))
+        .collect();
+    let mut seen = HashSet::new();
+    let mut latest: Option<(usize, &str)> = None;
+    let mut count = 0;
+    let mut first = None;
+    for id in pending {
+        let Some(&pos) = position.get(id.as_str()) else {
+            continue;
+        };
+        if !seen.insert(pos) {
+            continue;
+        }
+        match latest {
+            Some((max, later)) if pos < max => {
+                count += 1;
+                first.get_or_insert_with(|| (id.clone(), later.to_owned()));
+            }
+            _ => latest = Some((pos, id)),
+        }
+    }
+    (count, first)
 }
 
 /// Scale of the suite: the short form for CI, the long form with OUTBOX_FAULTS_LONG=1.

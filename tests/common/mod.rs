@@ -6,11 +6,13 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod asynq;
+pub mod asynq_worker;
 pub mod certs;
 pub mod checker;
 pub mod databases;
 pub mod http;
 pub mod launcher;
+pub mod observed;
 pub mod proxy;
 pub mod servers;
 pub mod topologies;

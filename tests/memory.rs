@@ -1,0 +1,262 @@
+//! Bounded memory, measured on the real binary: while Valkey is down or black-holed the relay
+//! holds at most its in-flight bound unconfirmed (`outbox_inflight_batches` and `_bytes`) and its
+//! resident memory does not grow with each retry, with rows of about 1 MB; and one huge
+//! transaction costs no more memory than one a fifth of its size.
+
+mod common;
+
+use common::checker::long;
+use common::observed::{kill, redis_pid, ObservedRelay};
+use common::*;
+
+/// In-flight bound of these tests: batches, rows per batch (so at most MAX_INFLIGHT x BATCH_ROWS
+/// rows unconfirmed), and the relay's byte cap per batch.
+const MAX_INFLIGHT: usize = 2;
+const BATCH_ROWS: usize = 8;
+const BATCH_BYTES: u64 = 8 << 20;
+/// Rows of about 1 MB each (under the default 1 MiB payload limit).
+const ROW_BYTES: u64 = 1_000_000;
+const ROWS: usize = 60;
+/// Failed writes watched after the backlog is read: the retries whose cost must not add up.
+const RETRIES: f64 = 5.0;
+
+/// Resumes a SIGSTOPped server when dropped (a failed assertion included), so it can be
+/// stopped.
+struct Resume(u32);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-CONT", &self.0.to_string()])
+            .status();
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Outage {
+    /// redis-server stopped: connections refused.
+    Stopped,
+    /// redis-server SIGSTOPped: it accepts nothing and never answers (a black-holed link).
+    BlackHoled,
+}
+
+async fn lsn_sent_to(db: &TestDb) -> u64 {
+    let row = db
+        .client()
+        .await
+        .query_opt(
+            "SELECT (r.sent_lsn - '0/0'::pg_lsn)::bigint FROM pg_stat_replication r \
+             JOIN pg_replication_slots s ON s.active_pid = r.pid WHERE s.slot_name = $1",
+            &[&db.slot],
+        )
+        .await
+        .unwrap();
+    row.and_then(|r| r.get::<_, Option<i64>>(0))
+        .map_or(0, |v| v as u64)
+}
+
+async fn outage_keeps_memory_bounded(outage: Outage) {
+    let db = TestDb::new("mem_outage").await;
+    let redis = Redis::start();
+    let (inflight, batch) = (MAX_INFLIGHT.to_string(), BATCH_ROWS.to_string());
+    let relay = ObservedRelay::spawn_streaming(
+        &db,
+        &redis.url,
+        &[
+            "--max-inflight-batches",
+            &inflight,
+            "--batch-size",
+            &batch,
+            "--valkey-timeout",
+            "1s",
+            "--recovery",
+            "false",
+            "--on-slot-lost",
+            "stop",
+        ],
+    )
+    .await;
+    let mut c = db.client().await;
+    insert_events(&mut c, "warm.up", 10, 10).await;
+    wait_pending(&redis, "default", 10).await;
+    let baseline = relay.rss_kib();
+    let pid = redis_pid(&redis);
+    let _resume = Resume(pid);
+    match outage {
+        Outage::Stopped => redis.stop(),
+        Outage::BlackHoled => kill("STOP", pid),
+    }
+    for _ in 0..ROWS / 10 {
+        c.execute(
+            "INSERT INTO outbox_events (event_id, event_name, payload)
+             SELECT gen_random_uuid(), 'big.row', jsonb_build_object('pad', repeat('x', $1))
+             FROM generate_series(1, 10)",
+            &[&(ROW_BYTES as i32)],
+        )
+        .await
+        .unwrap();
+    }
+    let written = db.current_lsn().await;
+    // The walsender has sent everything and the writer is failing: what the relay holds now
+    // is all it will hold.
+    eventually("the backlog is read and writes fail", || async {
+        let errors = relay.metric("outbox_valkey_write_errors_total").await?;
+        (lsn_sent_to(&db).await >= written && errors >= 2.0).then_some(())
+    })
+    .await;
+    let errors_then = relay
+        .metric("outbox_valkey_write_errors_total")
+        .await
+        .unwrap();
+    let rss_then = relay.rss_kib();
+    let (mut peak_batches, mut peak_bytes, mut peak_rss) = (0.0, 0.0, 0);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let Some(text) = relay.metrics().await else {
+            continue;
+        };
+        let value = |name| metric_value(&text, name).unwrap();
+        peak_batches = f64::max(peak_batches, value("outbox_inflight_batches"));
+        peak_bytes = f64::max(peak_bytes, value("outbox_inflight_bytes"));
+        peak_rss = peak_rss.max(relay.rss_kib());
+        if value("outbox_valkey_write_errors_total") >= errors_then + RETRIES {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "gave up waiting for retries"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    println!(
+        "MEMORY outage={outage:?} rows={ROWS} row_bytes={ROW_BYTES} baseline_kib={baseline} \
+         rss_after_backlog_kib={rss_then} peak_rss_kib={peak_rss} \
+         inflight_batches={peak_batches} inflight_bytes={peak_bytes}"
+    );
+    assert!(
+        peak_batches >= 1.0,
+        "nothing was in flight: the outage was not exercised"
+    );
+    assert!(
+        peak_batches <= MAX_INFLIGHT as f64,
+        "{peak_batches} batches in flight"
+    );
+    assert!(
+        peak_bytes <= (MAX_INFLIGHT as u64 * (BATCH_BYTES + ROW_BYTES * 2)) as f64,
+        "{peak_bytes} bytes in flight"
+    );
+    // Retrying costs nothing that adds up: over RETRIES more failed writes, resident memory
+    // grows by less than one batch.
+    assert!(
+        peak_rss.saturating_sub(rss_then) * 1024 < BATCH_BYTES,
+        "RSS grew from {rss_then} KiB to {peak_rss} KiB over {RETRIES} retries"
+    );
+    // Everything in memory: the backlog (the socket buffer may hold all of it) and each
+    // in-flight batch up to four times (the batch, its encoded pipeline, the connection's write
+    // buffer, and one retry's copy of them).
+    let budget_kib = (ROWS as u64 * ROW_BYTES + 4 * MAX_INFLIGHT as u64 * BATCH_BYTES) / 1024;
+    assert!(
+        peak_rss <= baseline + budget_kib,
+        "peak RSS {peak_rss} KiB over {baseline} KiB + {budget_kib} KiB"
+    );
+    match outage {
+        Outage::Stopped => redis.restart(),
+        Outage::BlackHoled => kill("CONT", pid),
+    }
+    // The backlog is delivered once Valkey answers again (after a stop, the warm-up is gone).
+    let expect = match outage {
+        Outage::Stopped => ROWS,
+        Outage::BlackHoled => ROWS + 10,
+    };
+    let ids = wait_pending(&redis, "default", expect).await;
+    assert_eq!(ids.len(), expect);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_stopped_with_large_rows_keeps_memory_bounded() {
+    outage_keeps_memory_bounded(Outage::Stopped).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_black_holed_with_large_rows_keeps_memory_bounded() {
+    outage_keeps_memory_bounded(Outage::BlackHoled).await;
+}
+
+/// One transaction of `rows` rows through a fresh relay: (peak RSS in KiB, task bytes).
+async fn huge_transaction(pg: &OwnPg, rows: i32) -> (u64, u64) {
+    let db = TestDb::on(&pg.url, "mem_huge", true).await;
+    let redis = Redis::start();
+    let relay = ObservedRelay::spawn_streaming(
+        &db,
+        &redis.url,
+        &["--recovery", "false", "--on-slot-lost", "stop"],
+    )
+    .await;
+    db.client()
+        .await
+        .execute(
+            "INSERT INTO outbox_events (event_id, event_name, payload)
+             SELECT gen_random_uuid(), 'bulk.imported', jsonb_build_object('n', g, 'pad', repeat('p', 100))
+             FROM generate_series(1, $1) g",
+            &[&rows],
+        )
+        .await
+        .unwrap();
+    let mut conn = redis.conn().await;
+    eventually("every row delivered", || {
+        let mut conn = conn.clone();
+        async move {
+            let n: i64 = redis::cmd("LLEN")
+                .arg("asynq:{default}:pending")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            (n >= i64::from(rows)).then_some(())
+        }
+    })
+    .await;
+    let ids = pending_ids(&mut conn, "default").await;
+    let unique: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!((unique.len(), ids.len()), (rows as usize, rows as usize));
+    let one: u64 = redis::cmd("HSTRLEN")
+        .arg(format!("asynq:{{default}}:t:{}", ids[0]))
+        .arg("msg")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let reconnects = relay
+        .metric("outbox_reconnects_total{target=\"postgres\"}")
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(
+        reconnects, 0.0,
+        "the stream was cut (a 5 s wal_sender_timeout)"
+    );
+    (relay.peak_rss_kib(), one * rows as u64)
+}
+
+/// One transaction of N rows, then one of 5N: delivered completely, the stream never cut by a
+/// 5 s wal_sender_timeout, and the bigger one costs less than a quarter of its extra tasks'
+/// bytes in peak memory (a relay that buffered a transaction would need all of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_does_not_grow_with_the_size_of_a_transaction() {
+    let pg = OwnPg::start(&["-c", "wal_sender_timeout=5s"]);
+    let small_rows = if long() { 200_000 } else { 40_000 };
+    let (small, _) = huge_transaction(&pg, small_rows).await;
+    let (big, task_bytes) = huge_transaction(&pg, small_rows * 5).await;
+    let extra_task_kib = task_bytes * 4 / 5 / 1024;
+    println!(
+        "FAULT-SUMMARY scenario=huge_transaction rows={} peak_rss_mib={}",
+        small_rows * 5,
+        big / 1024
+    );
+    println!(
+        "MEMORY huge_transaction small_rows={small_rows} small_peak_kib={small} big_rows={} \
+         big_peak_kib={big} extra_task_kib={extra_task_kib}",
+        small_rows * 5
+    );
+    assert!(
+        big.saturating_sub(small) < extra_task_kib / 4,
+        "peak RSS {small} KiB -> {big} KiB for {extra_task_kib} KiB more tasks"
+    );
+}
