@@ -36,7 +36,7 @@ def add_geometry_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--payload-sizes", default="200,2048,16384", help="payload bytes")
     g.add_argument("--payload-mib", type=int, default=64,
                    help="payload MiB per backlog at most (fewer events for large payloads)")
-    g.add_argument("--payload-delays", default="direct,1", help="links of the payload phase")
+    g.add_argument("--payload-delays", default="1", help="links of the payload phase")
     g.add_argument("--fsync-delays", default="1", help="links of the fsync phase")
     g.add_argument("--fsync-rates", default="5000", help="steady rates of the fsync phase")
     g.add_argument("--ceiling-rates", default="10000,12500,15000,17500,20000,25000,30000",

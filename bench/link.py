@@ -42,9 +42,9 @@ class Proxy:
         self.stats_path = env.workdir / f"proxy-{name}.json"
         self.p = subprocess.Popen(
             [env.a.latency_proxy, "--upstream", upstream, "--delay-ms", str(delay_ms),
-             "--stats", str(self.stats_path)],
-            stdout=subprocess.PIPE, stderr=open(env.workdir / f"proxy-{name}.log", "w"),
-            text=True)
+             "--stats", str(self.stats_path), "--exit-with-stdin"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=open(env.workdir / f"proxy-{name}.log", "w"), text=True)
         line = self.p.stdout.readline().strip()
         if not line.startswith("listening "):
             self.p.kill()
@@ -58,8 +58,6 @@ class Proxy:
         return urlunsplit((u.scheme, auth + self.addr, u.path, u.query, u.fragment))
 
     def stats(self) -> dict:
-        # The file is replaced by rename every 200 ms; wait for one written after this call.
-        time.sleep(0.25)
         return json.loads(self.stats_path.read_text())
 
     def cpu_s(self) -> float:
@@ -97,8 +95,12 @@ class Links:
         return self.delay or 0.0
 
     def snapshot(self) -> dict:
-        return {k: (p.stats(), p.cpu_s()) for k, p in (("pg", self.pg), ("valkey", self.valkey))
-                if p}
+        """Each proxy's counters and CPU seconds, as of after this call (the counters' file is
+        replaced every 200 ms)."""
+        proxies = [(k, p) for k, p in (("pg", self.pg), ("valkey", self.valkey)) if p]
+        if proxies:
+            time.sleep(0.25)
+        return {k: (p.stats(), p.cpu_s()) for k, p in proxies}
 
     def stop(self) -> None:
         for p in (self.pg, self.valkey):
@@ -109,6 +111,8 @@ class Links:
 def lateness(before: dict, after: dict) -> dict:
     """The proxies' lateness (µs a chunk left after its due time) between two snapshots, both
     directions of every proxy: chunks, p50, p99 (bucket upper bounds) and the proxy CPU."""
+    if not after:
+        return {}  # a direct connection: no proxy
     hist: list[int] = []
     bounds: list[float] = []
     chunks, cpu, max_late = 0, 0.0, 0.0

@@ -45,12 +45,13 @@ def _pair_cells(p: dict) -> str:
     cpu = st["cpu_s"] / st["events"] * 1e6
     return (f"{_rate(eps(rl))} | {_rate(eps(st))} | **{p['ratio']:.2f}** "
             f"| {p['ratio_with_startup']:.2f} | {', '.join(f'{x:.2f}' for x in p['ratios'])} "
-            f"| {_num(cpu, 1)} | {_num(tpw, 1)} | {_num(inflight, 2)}")
+            f"| {_num(cpu, 1)} | {_num(tpw, 1)} | {_num(inflight, 2)} "
+            f"| {_num(st['link'].get('p99_us'), 0)} | {_num(st['link'].get('proxy_cpu_s'), 2)}")
 
 
 PAIR_HEAD = ("pg_recvlogical events/s | stream events/s | ratio (median) | ratio with start-up "
              "| ratio per round | relay CPU µs/event | tasks per Valkey write "
-             "| Valkey writes in flight (mean) |")
+             "| Valkey writes in flight (mean) | proxy lateness p99 µs | proxies' CPU s |")
 
 
 def _link(a: argparse.Namespace, link: dict) -> list[str]:
@@ -58,9 +59,11 @@ def _link(a: argparse.Namespace, link: dict) -> list[str]:
         f"**Drain over a link**: {link['events']:,} events in {a.per_txn}-row transactions,"
         " committed before the consumer starts; pg_recvlogical reaches Postgres through the same"
         " proxy as the relay, the relay reaches Valkey through a second one. Medians of"
-        f" {a.repeat} round(s); the ratio is stream / pg_recvlogical within each round.", "",
+        f" {a.repeat} round(s); the ratio is stream / pg_recvlogical within each round; the"
+        " proxy columns are the stream run's (lateness: how long after its due time a chunk"
+        " left).", "",
         "| D each way | " + PAIR_HEAD,
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for p in link["backlog"]:
         lines.append(f"| {_d(p['delay'])} | {_pair_cells(p)} |")
@@ -94,10 +97,10 @@ def _payloads(a: argparse.Namespace, res: dict, fsync: bool) -> list[str]:
         f"**Payload sizes, {'fsync on' if fsync else 'the usual server'}** ({server}):"
         " backlogs of 100-row transactions whose payload is an incompressible hex blob; MB/s"
         f" counts payload bytes (at most {a.payload_mib} MiB of payloads per backlog). Medians of"
-        f" {a.repeat} rounds.", "",
+        f" {a.repeat} round(s); proxy columns are the stream run's.", "",
         "| D each way | payload B (measured) | events | pg_recvlogical MB/s | stream MB/s | "
         + PAIR_HEAD,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for p in res["rows"]:
         mb = lambda r: eps(r) * p["payload_bytes"] / 1e6  # noqa: E731

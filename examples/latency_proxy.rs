@@ -18,7 +18,8 @@
 //! bytes per direction, and a histogram of how late each chunk left (its write started this long
 //! after its due time), which the benchmark turns into the proxy's own overhead.
 //!
-//! Prints `listening 127.0.0.1:PORT` on stdout once it accepts connections.
+//! Prints `listening 127.0.0.1:PORT` on stdout once it accepts connections; runs until killed
+//! (or, with `--exit-with-stdin`, until its standard input closes).
 //!
 //! ```sh
 //! cargo run --release --example latency_proxy -- --listen 127.0.0.1:0 --upstream 127.0.0.1:6379 --delay-ms 1
@@ -52,6 +53,10 @@ struct Args {
     /// Where the counters are written (JSON, rewritten every 200 ms).
     #[arg(long)]
     stats: Option<PathBuf>,
+    /// Exit when standard input reaches its end: the benchmark holds it open, so a proxy never
+    /// outlives a benchmark that was killed.
+    #[arg(long)]
+    exit_with_stdin: bool,
 }
 
 /// Size of one read; a chunk is what one read returned.
@@ -263,6 +268,12 @@ fn main() -> anyhow::Result<()> {
             let _ = write_stats(&path, &s, delay);
         });
     }
+    if args.exit_with_stdin {
+        std::thread::spawn(|| {
+            let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+            std::process::exit(0);
+        });
+    }
     println!("listening {}", listener.local_addr()?);
     std::io::stdout().flush()?;
     for client in listener.incoming() {
@@ -304,6 +315,7 @@ mod tests {
             delay_ms,
             window_bytes,
             stats: None,
+            exit_with_stdin: false,
         });
         let stats = Arc::new(Stats::default());
         std::thread::spawn(move || {
