@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import report
@@ -102,8 +103,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--docs-dir", required=True, help="benchmarks.md and the plot go here")
     ap.add_argument("--template", default="docs/benchmarks.md")
     ap.add_argument("--workdir", required=True, help="logs and raw results")
-    ap.add_argument("--relay-env", action="append", default=[], metavar="OUTBOX_X=VALUE",
-                    help="a setting for every relay phase, on top of the phase's own (for A/B runs)")
+    ap.add_argument("--relay-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable (an OUTBOX_ setting, or e.g. GLIBC_TUNABLES) for"
+                         " every relay phase, on top of the phase's own (for A/B runs)")
     ap.add_argument("--perf", action="store_true",
                     help="profile each backlog drain with `perf record -a` (reports in --workdir;"
                          " perf's sampling slows the run, so do not quote its rates)")
@@ -116,7 +118,7 @@ def parse_args() -> argparse.Namespace:
     try:
         a.relay_env = dict(kv.split("=", 1) for kv in a.relay_env)
     except ValueError:
-        ap.error("--relay-env takes OUTBOX_X=VALUE")
+        ap.error("--relay-env takes NAME=VALUE")
     if a.step_seconds is None:
         a.step_seconds = 2.0 if a.quick else 10.0
     if a.link_events is None:
@@ -154,7 +156,12 @@ def main() -> int:
         next(r for r in backlog if r["phase"] == "stream")["paired_ratios"] = paired
     if "steady" in phases:
         steady = phase_steady(env)
-    geo = {key: fn(env) for key, fn in GEOMETRY.items() if key in phases}
+    geo = {}
+    for key, fn in GEOMETRY.items():
+        if key in phases:
+            t0 = time.monotonic()
+            geo[key] = fn(env)
+            log(f"phase {key} took {time.monotonic() - t0:.0f} s")
 
     docs = Path(a.docs_dir)
     docs.mkdir(parents=True, exist_ok=True)
