@@ -14,9 +14,9 @@
 #
 # Production geometry (issue 16; docs/benchmarks.md "Across a link"): the phases calibrate,
 # link, payload, fsync and ceiling, e.g. the full run
-#   scripts/bench.sh -- --phases calibrate,link,fsync,ceiling --repeat 3 --step-seconds 5
+#   scripts/bench.sh -- --phases calibrate,link,payload,fsync,ceiling --repeat 3 --step-seconds 5
 # and the smoke run
-#   scripts/bench.sh --quick -- --phases calibrate,link,payload,fsync,ceiling
+#   scripts/bench.sh --quick -- --phases calibrate,link,payload,fsync,ceiling --link-events 5000 --link-delays direct,0,1 --step-seconds 2
 # When --phases names fsync, a second throwaway Postgres runs with fsync=on,
 # synchronous_commit=on and full_page_writes=on.
 #
