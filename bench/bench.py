@@ -13,6 +13,12 @@ Valkey/Redis (FLUSHALL between phases):
    the task hash's `pending_since` (the relay's clock at write) minus the row's commit timestamp
    (`pg_xact_commit_timestamp`, track_commit_timestamp=on), on the same machine clock.
 
+6. The production-geometry phases (issue 16, not in the default): `calibrate`, `link`,
+   `payload`, `fsync` and `ceiling` (bench/geometry.py, bench/ceiling.py): the relay with a
+   delay each way to Postgres and Valkey (examples/latency_proxy), payload sizes, a server with
+   fsync on, and the insert ceiling with per-process CPU. Their report goes between
+   `<!-- bench-geometry:begin -->` and `<!-- bench-geometry:end -->`.
+
 Backlogs are inserted in transactions of --per-txn rows (100) with a ~220-byte jsonb payload and a
 traceparent in the metadata. Python only orchestrates: nothing it does sits on a measured path.
 The result is one markdown section, printed and written between `<!-- bench:begin -->` and
@@ -23,154 +29,51 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import report
-from harness import (Env, Perf, Relay, create_slot, current_lsn, insert_backlog, log, proc_cpu_seconds,
-                     proc_hwm_mib, still_running, wait_pending, wait_rusage)
+import report_geo
+from backlog import (median_run, phase_huge, phase_naive, phase_poller, phase_recvlogical,
+                     phase_stream)
+from ceiling import phase_ceiling
+from geometry import add_geometry_args, phase_link, phase_payloads
+from harness import Env, log
+from link import parse_delays, phase_calibrate
 from steady import phase_steady
 
+BACKLOG = {
+    "recvlogical": phase_recvlogical,
+    "stream": phase_stream,
+    "poller1": lambda env: phase_poller(env, 1),
+    "poller4": lambda env: phase_poller(env, 4),
+    "naive": phase_naive,
+    "huge": phase_huge,
+}
 
-# ---- backlog phases ---------------------------------------------------------------------------
-
-
-def phase_recvlogical(env: Env) -> dict:
-    a = env.a
-    log("phase pg_recvlogical")
-    url = env.fresh_db("bench_recvlogical")
-    create_slot(url, "bench_recvlogical")
-    insert_backlog(url, a.events, a.per_txn)
-    endpos = current_lsn(url)
-    argv = [a.pg_recvlogical, "-d", url, "--slot", "bench_recvlogical", "--start",
-            "-o", "proto_version=1", "-o", "publication_names=outbox_relay",
-            "-f", "/dev/null", "--endpos", endpos, "--no-loop"]
-    perf = Perf(env, "pg_recvlogical")
-    sampler = env.cpu_sampler()
-    t0 = time.monotonic()
-    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    rc, cpu, rss = wait_rusage(p)
-    wall = time.monotonic() - t0
-    servers = sampler.stop()
-    perf.stop()
-    err = p.stderr.read().decode(errors="replace")
-    if rc != 0:
-        raise RuntimeError(f"pg_recvlogical failed ({rc}): {err}")
-    env.drop_db("bench_recvlogical")
-    return {"phase": "pg_recvlogical", "events": a.events, "drain_s": wall, "total_s": wall,
-            "cpu_s": cpu, "rss_mib": rss, "servers": servers}
+GEOMETRY = {
+    "calibrate": lambda env: phase_calibrate(env, parse_delays(env.a.link_delays),
+                                             env.a.calibrate_round_trips),
+    "link": phase_link,
+    "payload": lambda env: phase_payloads(env, fsync=False),
+    "fsync": lambda env: phase_payloads(fsync_env(env), fsync=True),
+    "ceiling": phase_ceiling,
+}
 
 
-def run_relay_backlog(env: Env, name: str, url: str, ready: str, events: int | None = None,
-                      **settings: str) -> dict:
-    a = env.a
-    events = events or a.events
-    env.flush_redis()
-    perf = Perf(env, name)
-    sampler = env.cpu_sampler()
-    relay = Relay(env, name, env.relay_env(url, **settings), ready)
-    try:
-        t_done = wait_pending(env, events, a.timeout, relay.alive)
-        servers = sampler.stop()
-        perf.stop()
-        cpu_end = proc_cpu_seconds(relay.p.pid)
-        hwm = proc_hwm_mib(relay.p.pid)
-        metrics = relay.metrics()
-    finally:
-        relay.stop()
-    if math.isnan(relay.t_ready):
-        raise RuntimeError(f"{name}: never saw {ready!r} in {relay.log_path}")
-    return {"events": events, "drain_s": t_done - relay.t_ready,
-            "total_s": t_done - relay.t_spawn, "startup_s": relay.t_ready - relay.t_spawn,
-            "cpu_s": cpu_end - relay.cpu_ready, "cpu_startup_s": relay.cpu_ready,
-            "rss_mib": hwm, "servers": servers,
-            # Stream: Valkey writes; poll mode: poll rounds.
-            "batches": metrics.get("outbox_batch_duration_seconds_count", math.nan)}
-
-
-def phase_stream(env: Env) -> dict:
-    log("phase stream")
-    url = env.fresh_db("bench_stream")
-    create_slot(url, "bench_stream")
-    insert_backlog(url, env.a.events, env.a.per_txn)
-    r = run_relay_backlog(env, "stream", url, "replication stream started",
-                          OUTBOX_SLOT="bench_stream", OUTBOX_RECOVERY="false", OUTBOX_ON_SLOT_LOST="stop")
-    env.drop_db("bench_stream")
-    return dict(r, phase="stream")
-
-
-def phase_huge(env: Env) -> dict:
-    """One transaction of --huge-rows rows, streamed: the relay must not hold it in memory."""
-    n = env.a.huge_rows
-    log(f"phase huge: one transaction of {n:,} rows")
-    url = env.fresh_db("bench_huge")
-    create_slot(url, "bench_huge")
-    insert_backlog(url, n, n)
-    r = run_relay_backlog(env, "huge", url, "replication stream started", events=n,
-                          OUTBOX_SLOT="bench_huge", OUTBOX_RECOVERY="false", OUTBOX_ON_SLOT_LOST="stop")
-    env.drop_db("bench_huge")
-    return dict(r, phase="huge")
-
-
-def phase_poller(env: Env, pollers: int) -> dict:
-    log(f"phase poller x{pollers}")
-    name = f"bench_poll{pollers}"
-    url = env.fresh_db(name)
-    insert_backlog(url, env.a.events, env.a.per_txn)
-    r = run_relay_backlog(env, f"poll{pollers}", url, "running in poll mode", OUTBOX_MODE="poll",
-                          OUTBOX_BATCH_SIZE="500", OUTBOX_POLLERS=str(pollers))
-    env.drop_db(name)
-    return dict(r, phase=f"poller{pollers}")
-
-
-def phase_naive(env: Env) -> dict:
-    a = env.a
-    log("phase naive")
-    url = env.fresh_db("bench_naive")
-    insert_backlog(url, a.events, a.per_txn)
-    env.flush_redis()
-    sampler = env.cpu_sampler()
-    t0 = time.monotonic()
-    p = subprocess.Popen([a.naive, "--database-url", url, "--redis-url", a.redis_url,
-                          "--batch", "100"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    peak = [math.nan]
-
-    def alive() -> bool:
-        try:
-            peak[0] = proc_hwm_mib(p.pid)
-        except (OSError, ValueError):
-            pass
-        return still_running(p.pid)
-
-    try:
-        t_done = wait_pending(env, a.events, a.timeout, alive)
-        servers = sampler.stop()
-    except BaseException:
-        p.kill()
-        raise
-    rc, cpu, rss = wait_rusage(p)
-    if rc != 0:
-        raise RuntimeError(f"naive_relay failed ({rc}): {p.stderr.read().decode(errors='replace')}")
-    env.drop_db("bench_naive")
-    return {"phase": "naive", "events": a.events, "drain_s": t_done - t0, "total_s": t_done - t0,
-            "cpu_s": cpu, "rss_mib": max((v for v in (peak[0], rss) if not math.isnan(v)),
-                                         default=math.nan), "servers": servers}
-
-
-def median_run(rs: list[dict]) -> dict:
-    """The run with the median rate (the lower middle one of an even count), with every run's
-    events/s beside it."""
-    ranked = sorted(rs, key=lambda r: r["events"] / r["drain_s"])
-    return dict(ranked[(len(ranked) - 1) // 2], runs_eps=[r["events"] / r["drain_s"] for r in rs])
+def fsync_env(env: Env) -> Env:
+    """The servers of the fsync phase: the second Postgres (fsync on), the same Valkey."""
+    if not env.a.pg_fsync_url:
+        raise SystemExit("the fsync phase needs --pg-fsync-url (scripts/bench.sh starts that"
+                         " server when --phases names fsync)")
+    return Env(argparse.Namespace(**dict(vars(env.a), pg_url=env.a.pg_fsync_url)))
 
 
 # ---- main -------------------------------------------------------------------------------------
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pg-url", required=True)
     ap.add_argument("--redis-url", required=True)
@@ -189,8 +92,9 @@ def main() -> int:
     ap.add_argument("--max-drift-ms", type=float, default=100.0,
                     help="nor one whose median latency climbs more than this through the step")
     ap.add_argument("--phases", default="recvlogical,stream,poller1,poller4,naive,steady",
-                    help="comma-separated; `huge` (not in the default) streams one transaction"
-                         " of --huge-rows rows")
+                    help="comma-separated; not in the default: `huge` streams one transaction"
+                         " of --huge-rows rows; `calibrate`, `link`, `payload`, `fsync` and"
+                         " `ceiling` are the production-geometry phases (bench/geometry.py)")
     ap.add_argument("--huge-rows", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the backlog phases this many times, in rounds, and report each"
@@ -199,45 +103,51 @@ def main() -> int:
     ap.add_argument("--docs-dir", required=True, help="benchmarks.md and the plot go here")
     ap.add_argument("--template", default="docs/benchmarks.md")
     ap.add_argument("--workdir", required=True, help="logs and raw results")
-    ap.add_argument("--relay-env", action="append", default=[], metavar="OUTBOX_X=VALUE",
-                    help="a setting for every relay phase, on top of the phase's own (for A/B runs)")
+    ap.add_argument("--relay-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable (an OUTBOX_ setting, or e.g. GLIBC_TUNABLES) for"
+                         " every relay phase, on top of the phase's own (for A/B runs)")
     ap.add_argument("--perf", action="store_true",
                     help="profile each backlog drain with `perf record -a` (reports in --workdir;"
                          " perf's sampling slows the run, so do not quote its rates)")
     ap.add_argument("--command", default="scripts/bench.sh")
     ap.add_argument("--commit", default="unknown")
+    add_geometry_args(ap)
     a = ap.parse_args()
     if a.repeat < 1:
         ap.error("--repeat takes a positive number")
     try:
         a.relay_env = dict(kv.split("=", 1) for kv in a.relay_env)
     except ValueError:
-        ap.error("--relay-env takes OUTBOX_X=VALUE")
+        ap.error("--relay-env takes NAME=VALUE")
     if a.step_seconds is None:
         a.step_seconds = 2.0 if a.quick else 10.0
+    if a.link_events is None:
+        a.link_events = 10_000 if a.quick else 100_000
     if a.ramp is None:
         a.ramp = ("10000,20000,40000" if a.quick else
                   "10000,15000,20000,25000,30000,40000,50000,60000,80000,100000")
 
+    return a
+
+
+def main() -> int:
+    a = parse_args()
     env = Env(a)
     phases = set(a.phases.split(","))
+    unknown = phases - set(BACKLOG) - {"steady"} - set(GEOMETRY)
+    if unknown:
+        raise SystemExit(f"unknown phases: {', '.join(sorted(unknown))}")
     m = report.machine(env.admin, env.redis, a.commit)
+    a.nproc = m["nproc"]
     steady: list[dict] = []
-    runners = [(key, fn) for key, fn in [
-        ("recvlogical", lambda: phase_recvlogical(env)),
-        ("stream", lambda: phase_stream(env)),
-        ("poller1", lambda: phase_poller(env, 1)),
-        ("poller4", lambda: phase_poller(env, 4)),
-        ("naive", lambda: phase_naive(env)),
-        ("huge", lambda: phase_huge(env)),
-    ] if key in phases]
+    runners = [(key, fn) for key, fn in BACKLOG.items() if key in phases]
     # Rounds, not phase after phase: whatever drifts on the machine meanwhile touches every phase.
     runs: dict[str, list[dict]] = {}
-    for i in range(a.repeat):
+    for i in range(a.repeat if runners else 0):
         if a.repeat > 1:
             log(f"round {i + 1} of {a.repeat}")
         for key, fn in runners:
-            runs.setdefault(key, []).append(fn())
+            runs.setdefault(key, []).append(fn(env))
     backlog = [median_run(rs) for rs in runs.values()]
     if "stream" in runs and "recvlogical" in runs:
         # The same round's stream over its pg_recvlogical: the two ran a minute apart.
@@ -246,17 +156,30 @@ def main() -> int:
         next(r for r in backlog if r["phase"] == "stream")["paired_ratios"] = paired
     if "steady" in phases:
         steady = phase_steady(env)
+    geo = {}
+    for key, fn in GEOMETRY.items():
+        if key in phases:
+            t0 = time.monotonic()
+            geo[key] = fn(env)
+            log(f"phase {key} took {time.monotonic() - t0:.0f} s")
 
-    section = report.markdown(a, m, backlog, steady)
     docs = Path(a.docs_dir)
     docs.mkdir(parents=True, exist_ok=True)
-    report.plot(a, steady, docs / "bench-latency.png")
-    report.write_doc(section, docs / "benchmarks.md", Path(a.template))
+    sections = []
+    if backlog or steady:
+        sections.append(report.markdown(a, m, backlog, steady))
+        report.plot(a, steady, docs / "bench-latency.png")
+        report.write_doc(sections[-1], docs / "benchmarks.md", Path(a.template))
+    if geo:
+        sections.append(report_geo.markdown(a, m, geo))
+        report.write_doc(sections[-1], docs / "benchmarks.md", Path(a.template),
+                         report_geo.BEGIN, report_geo.END)
     raw = env.workdir / "results.json"
     raw.write_text(json.dumps({"quick": a.quick, "events": a.events, "machine": m,
-                               "backlog": backlog, "runs": runs, "steady": steady}, indent=1))
-    print(section)
-    log(f"wrote {docs / 'benchmarks.md'}, {docs / 'bench-latency.png'}; raw results {raw}")
+                               "backlog": backlog, "runs": runs, "steady": steady, "geometry": geo},
+                              indent=1, default=str))
+    print("\n\n".join(sections))
+    log(f"wrote {docs / 'benchmarks.md'}; raw results {raw}")
     return 0
 
 

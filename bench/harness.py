@@ -135,12 +135,37 @@ def current_lsn(url: str) -> str:
         return c.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
 
 
-def insert_backlog(url: str, n: int, per_txn: int) -> float:
-    """Inserts n rows in transactions of per_txn rows; returns the rows per second."""
+# A backlog transaction whose payload is about %(bytes)s bytes of jsonb text: an order id and a
+# blob of hex digits (md5 of the row number, so it does not compress: a TOASTed value stays as
+# large in the WAL as in the row).
+SIZED_INSERT = """
+INSERT INTO outbox_events (event_id, event_name, payload, metadata)
+SELECT gen_random_uuid(), 'order.placed',
+       jsonb_build_object(
+           'order_id', 'ord_' || lpad(g::text, 10, '0'),
+           'blob', substr((SELECT string_agg(md5(g::text || ':' || i::text), '')
+                           FROM generate_series(0, %(chunks)s::int) AS i), 1, %(blob)s::int)),
+       jsonb_build_object(
+           'traceparent', '00-' || md5(g::text || 't') || '-' || substr(md5(g::text || 's'), 1, 16) || '-01',
+           'producer', 'checkout')
+FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS g
+ORDER BY g
+"""
+
+
+def insert_backlog(url: str, n: int, per_txn: int, payload_bytes: int | None = None) -> float:
+    """Inserts n rows in transactions of per_txn rows (payloads of ~220 bytes, or of about
+    payload_bytes); returns the rows per second."""
     t0 = time.monotonic()
+    # '{"blob": "", "order_id": "ord_0000000001"}' is 42 characters of jsonb text.
+    blob = max(0, (payload_bytes or 0) - 42)
     with psycopg.connect(url, autocommit=True) as c:
         for lo in range(1, n + 1, per_txn):
-            c.execute(BACKLOG_INSERT, (lo, min(lo + per_txn - 1, n)))
+            hi = min(lo + per_txn - 1, n)
+            if payload_bytes is None:
+                c.execute(BACKLOG_INSERT, (lo, hi))
+            else:
+                c.execute(SIZED_INSERT, {"lo": lo, "hi": hi, "blob": blob, "chunks": blob // 32})
         rate = n / (time.monotonic() - t0)
         # As autovacuum would, sooner or later. Without statistics the planner sorts the whole
         # backlog on every claim of the poller (and the naive relay), which is not what a
@@ -250,11 +275,16 @@ class CpuSampler:
         self.sample()
         out = {"span_s": time.monotonic() - self.t0,
                "machine_busy_s": machine_busy_seconds() - self.busy0}
+        top = (0.0, "")
         for pid, (run, wait) in self.last.items():
             run0, wait0 = self.first.get(pid, (0.0, 0.0))
             cat = self.category[pid]
             out[f"cpu_{cat}_s"] = out.get(f"cpu_{cat}_s", 0.0) + run - run0
             out[f"wait_{cat}_s"] = out.get(f"wait_{cat}_s", 0.0) + wait - wait0
+            top = max(top, (run - run0, cat))
+        # The busiest single server process: one at 100% of the span is a core's worth, the
+        # most a single-threaded process can take.
+        out["top_server_s"], out["top_server"] = top
         return out
 
 

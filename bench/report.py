@@ -74,9 +74,11 @@ def _eps(r: dict) -> float:
     return r["events"] / r["drain_s"]
 
 
-def _header(a: argparse.Namespace, m: dict) -> list[str]:
+def _header(a: argparse.Namespace, m: dict, first: str | None = None) -> list[str]:
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    if a.quick:
+    if first is not None:
+        first = f"{first} {now}."
+    elif a.quick:
         first = (f"**QUICK RUN (`--quick`, {a.events:,} events per backlog phase, "
                  f"{a.step_seconds:g} s per load step): a smoke test of the benchmark, not a "
                  f"measurement. Do not quote these numbers.** {now}.")
@@ -285,16 +287,17 @@ def plot(a: argparse.Namespace, steady: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_doc(section: str, doc: Path, template: Path) -> None:
-    """Replaces the section between the markers of doc (started from template when missing)."""
+def write_doc(section: str, doc: Path, template: Path, begin: str = BEGIN, end: str = END) -> None:
+    """Replaces the section between the markers begin and end of doc (started from template when
+    missing); section includes the markers."""
     if doc.exists():
         text = doc.read_text()
     elif template.exists():
         text = template.read_text()
     else:
-        text = f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise RuntimeError(f"{doc} lacks the {BEGIN} ... {END} markers")
+        text = f"# Benchmarks\n\n{begin}\n{end}\n"
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        raise RuntimeError(f"{doc} lacks the {begin} ... {end} markers")
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text[:start] + section + text[end + len(END):])
+    doc.write_text(text[:start] + section + text[stop + len(end):])

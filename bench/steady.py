@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -31,9 +32,11 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[k]
 
 
-def latencies(env: Env, url: str, rows_file: Path) -> tuple[list[tuple[int, float]], int]:
+def latencies(env: Env, url: str, rows_file: Path,
+              add_ms: float = 0.0) -> tuple[list[tuple[int, float]], int]:
     """(commit time in unix µs, commit-to-enqueued latency in ms) of the rows in rows_file, in
-    commit order, and how many of them never reached Valkey."""
+    commit order, and how many of them never reached Valkey. add_ms is added to each latency:
+    over a link, the one-way delay between the relay's stamp and the task landing in Valkey."""
     ids, xids = [], []
     with open(rows_file) as f:
         for line in f:
@@ -59,7 +62,7 @@ def latencies(env: Env, url: str, rows_file: Path) -> tuple[list[tuple[int, floa
             if since is None or us is None:
                 missing += 1
                 continue
-            out.append((us, (int(since) / 1000 - us) / 1000))
+            out.append((us, (int(since) / 1000 - us) / 1000 + add_ms))
     out.sort()
     return out, missing
 
@@ -105,18 +108,33 @@ def unpublished(url: str) -> int:
             "SELECT count(*) FROM outbox_events WHERE published_at IS NULL").fetchone()[0]
 
 
-def steady_step(env: Env, url: str, relay: Relay, rate: int) -> dict:
+def load(env: Env, url: str, rate: int, seconds: float, rows_file: Path) -> dict:
+    """Runs examples/load_gen; its JSON line plus its own CPU seconds (wait4)."""
+    conns = max(2, min(32, math.ceil(rate / 1250)))
+    log(f"  steady {rate:,}/s for {seconds:g} s ({conns} connections)")
+    p = subprocess.Popen([env.a.load_gen, "--database-url", url, "--rate", str(rate),
+                          "--seconds", str(seconds), "--connections", str(conns),
+                          "--out", str(rows_file)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    # Blocking, so this process does not poll while the load runs (its output is one line).
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = rc = os.waitstatus_to_exitcode(status)
+    cpu = ru.ru_utime + ru.ru_stime
+    out, err = p.communicate()
+    if rc != 0:
+        raise RuntimeError(f"load_gen failed ({rc}): {err}")
+    return dict(json.loads(out.strip().splitlines()[-1]), cpu_s=cpu, connections=conns)
+
+
+def steady_step(env: Env, url: str, relay: Relay, rate: int, add_ms: float = 0.0) -> dict:
     a = env.a
     rows_file = env.workdir / f"load-{rate}.tsv"
-    conns = max(2, min(32, math.ceil(rate / 1250)))
-    log(f"  steady {rate:,}/s for {a.step_seconds:g} s ({conns} connections)")
     env.flush_redis()
     cpu0 = proc_cpu_seconds(relay.p.pid)
-    writes0 = relay.metrics().get("outbox_batch_duration_seconds_count", math.nan)
-    gen = subprocess.run([a.load_gen, "--database-url", url, "--rate", str(rate),
-                          "--seconds", str(a.step_seconds), "--connections", str(conns),
-                          "--out", str(rows_file)], check=True, capture_output=True, text=True)
-    g = json.loads(gen.stdout.strip().splitlines()[-1])
+    m0 = relay.metrics()
+    sampler = env.cpu_sampler()
+    g = load(env, url, rate, a.step_seconds, rows_file)
+    conns = g["connections"]
     inserted = int(g["inserted"])
     t_end = time.monotonic()
     backlog_at_end = inserted - env.pending()
@@ -126,9 +144,14 @@ def steady_step(env: Env, url: str, relay: Relay, rate: int) -> dict:
     except RuntimeError as e:
         log(f"  not drained: {e}")
         drained_after = math.nan
+    servers = sampler.stop()
     cpu = proc_cpu_seconds(relay.p.pid) - cpu0
-    writes = relay.metrics().get("outbox_batch_duration_seconds_count", math.nan) - writes0
-    timed, missing = latencies(env, url, rows_file)
+    m1 = relay.metrics()
+    writes = (m1.get("outbox_batch_duration_seconds_count", math.nan)
+              - m0.get("outbox_batch_duration_seconds_count", math.nan))
+    write_s = (m1.get("outbox_batch_duration_seconds_sum", math.nan)
+               - m0.get("outbox_batch_duration_seconds_sum", math.nan))
+    timed, missing = latencies(env, url, rows_file, add_ms)
     rows_file.unlink()
     lat = sorted(ms for _, ms in timed)
     p99 = percentile(lat, 0.99)
@@ -144,8 +167,11 @@ def steady_step(env: Env, url: str, relay: Relay, rate: int) -> dict:
             "connections": conns, "missing": missing, "backlog_at_end": backlog_at_end,
             "drained_after_s": drained_after, "p50_ms": percentile(lat, 0.50), "p99_ms": p99,
             "max_ms": lat[-1] if lat else math.nan, "drift_ms": drift, "kept_up": kept_up,
-            "relay_cpu_us_per_event": cpu / max(inserted, 1) * 1e6,
-            "tasks_per_write": inserted / writes if writes else math.nan}
+            "relay_cpu_us_per_event": cpu / max(inserted, 1) * 1e6, "relay_cpu_s": cpu,
+            "load_gen_cpu_s": g["cpu_s"], "servers": servers,
+            "tasks_per_write": inserted / writes if writes else math.nan,
+            # Little's law over the sampled span (the step and its drain).
+            "writes_in_flight": write_s / servers["span_s"] if servers["span_s"] else math.nan}
     # A CDF for the plot: 500 quantiles are plenty.
     step["cdf_ms"] = [percentile(lat, (i + 1) / 500) for i in range(500)] if lat else []
     log(f"    achieved {g['achieved_rate']:,.0f}/s, p50 {step['p50_ms']:.1f} ms, "
@@ -157,20 +183,31 @@ def steady_step(env: Env, url: str, relay: Relay, rate: int) -> dict:
 
 def phase_steady(env: Env) -> list[dict]:
     log("phase steady load")
-    url = env.fresh_db("bench_steady")
+    fixed, ramp = steady_rates(env.a)
+    return run_steady(env, "bench_steady", fixed, ramp)
+
+
+def run_steady(env: Env, name: str, fixed: list[int], ramp: list[int], links=None) -> list[dict]:
+    """The stream under load_gen at each fixed rate, then at each ramp rate until one is not kept
+    up. With `links` (bench/link.py), the relay reaches Postgres and Valkey through them; the
+    load generator and the measurements stay direct."""
+    url = env.fresh_db(name)
     # The backlog phases before leave gigabytes of WAL and dirty buffers behind: checkpoint them
     # now, or the checkpointer writes them out during the first load steps.
     with env.admin() as c:
         c.execute("CHECKPOINT")
-    relay = Relay(env, "steady", env.relay_env(url, OUTBOX_SLOT="bench_steady",
-                                               OUTBOX_RECOVERY="false", OUTBOX_ON_SLOT_LOST="stop"),
-                  "replication stream started")
+    settings = dict(OUTBOX_SLOT=name, OUTBOX_RECOVERY="false", OUTBOX_ON_SLOT_LOST="stop")
+    relay_url, add_ms = url, 0.0
+    if links is not None:
+        relay_url, add_ms = links.pg_url(url), links.add_ms()
+        settings["OUTBOX_VALKEY_URL"] = links.redis_url(env.a.redis_url)
+    relay = Relay(env, name, env.relay_env(relay_url, **settings), "replication stream started")
     steps: list[dict] = []
 
     def step(rate: int) -> dict:
-        st = steady_step(env, url, relay, rate)
+        st = steady_step(env, url, relay, rate, add_ms)
         steps.append(st)
-        st["marked_so_far"] = settle(url, relay, sum(x["events"] for x in steps), "bench_steady")
+        st["marked_so_far"] = settle(url, relay, sum(x["events"] for x in steps), name)
         # Rows in Valkey whose published_at the relay never set (the recovery poller, off
         # here, would re-send them).
         st["unpublished_after"] = unpublished(url)
@@ -180,7 +217,6 @@ def phase_steady(env: Env) -> list[dict]:
 
     try:
         relay.wait_ready(60)
-        fixed, ramp = steady_rates(env.a)
         for rate in fixed:
             step(rate)
         if not all(st["kept_up"] for st in steps):
@@ -193,5 +229,5 @@ def phase_steady(env: Env) -> list[dict]:
                 break
     finally:
         relay.stop()
-    env.drop_db("bench_steady")
+    env.drop_db(name)
     return steps

@@ -12,6 +12,14 @@
 #                  <!-- bench:end -->) and bench-latency.png are written (default docs/).
 #   after --       passed to bench/bench.py (e.g. --phases stream,steady --rates 1000).
 #
+# Production geometry (issue 16; docs/benchmarks.md "Across a link"): the phases calibrate,
+# link, payload, fsync and ceiling, e.g. the full run
+#   scripts/bench.sh -- --phases calibrate,link,payload,fsync,ceiling --repeat 3 --step-seconds 5
+# and the smoke run
+#   scripts/bench.sh --quick -- --phases calibrate,link,payload,fsync,ceiling --link-events 5000 --link-delays direct,0,1 --step-seconds 2
+# When --phases names fsync, a second throwaway Postgres runs with fsync=on,
+# synchronous_commit=on and full_page_writes=on.
+#
 # Starts its own throwaway PostgreSQL (scripts/pg-start.sh, with track_commit_timestamp=on) and
 # Redis (scripts/redis-start.sh) under /tmp/outbox-relay-bench.XXXXXX, builds the release binary
 # and the naive_relay and load_gen examples, creates bench/.venv with bench/requirements.txt,
@@ -78,6 +86,7 @@ cleanup() {
     set +e
     [[ -n $TMP && -d $TMP ]] || return 0
     "$SCRIPTS/pg-stop.sh" "$TMP/pg" fast >/dev/null 2>&1
+    [[ -d $TMP/pg-fsync ]] && "$SCRIPTS/pg-stop.sh" "$TMP/pg-fsync" fast >/dev/null 2>&1
     "$SCRIPTS/redis-stop.sh" "$TMP/redis" >/dev/null 2>&1
     assert_removable_dir "$TMP"
     rm -rf -- "$TMP"
@@ -94,7 +103,8 @@ trap 'exit 143' TERM
 cd "$ROOT"
 
 log "building the release binary and the benchmark examples"
-cargo build --release --locked --bin outbox-relay --example naive_relay --example load_gen >&2
+cargo build --release --locked --bin outbox-relay --example naive_relay --example load_gen \
+    --example latency_proxy >&2
 
 VENV=$ROOT/bench/.venv
 if [[ ! -x $VENV/bin/python ]] || ! cmp -s bench/requirements.txt "$VENV/requirements.txt"; then
@@ -109,6 +119,21 @@ chmod 755 "$TMP"
 PG_URL=$("$SCRIPTS/pg-start.sh" "$TMP/pg" -- \
     -c max_wal_senders=10 -c max_replication_slots=10 -c track_commit_timestamp=on)
 REDIS_URL=$("$SCRIPTS/redis-start.sh" "$TMP/redis")
+# The fsync phase's server: as durable as a production one.
+FSYNC_ARGS=()
+for ((i = 0; i < ${#PY_ARGS[@]}; i++)); do
+    phases=""
+    case "${PY_ARGS[i]}" in
+    --phases) phases=${PY_ARGS[i + 1]:-} ;;
+    --phases=*) phases=${PY_ARGS[i]#--phases=} ;;
+    esac
+    if [[ ,$phases, == *,fsync,* ]]; then
+        FSYNC_URL=$("$SCRIPTS/pg-start.sh" "$TMP/pg-fsync" -- \
+            -c max_wal_senders=10 -c max_replication_slots=10 -c track_commit_timestamp=on \
+            -c fsync=on -c synchronous_commit=on -c full_page_writes=on)
+        FSYNC_ARGS=(--pg-fsync-url "$FSYNC_URL")
+    fi
+done
 
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 if [[ -n $(git status --porcelain --untracked-files=no -- src Cargo.toml Cargo.lock 2>/dev/null) ]]; then
@@ -125,6 +150,7 @@ log "postgres $PG_URL, redis $REDIS_URL; $EVENTS events per backlog phase; repor
     --relay "$ROOT/target/release/outbox-relay" \
     --naive "$ROOT/target/release/examples/naive_relay" \
     --load-gen "$ROOT/target/release/examples/load_gen" \
+    --latency-proxy "$ROOT/target/release/examples/latency_proxy" "${FSYNC_ARGS[@]}" \
     --pg-recvlogical "$(pg_bindir)/pg_recvlogical" \
     --events "$EVENTS" "${QUICK_ARG[@]}" \
     --docs-dir "$DOCS_DIR" --template "$ROOT/docs/benchmarks.md" --workdir "$WORK" \

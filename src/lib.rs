@@ -30,6 +30,11 @@
 //! - [`tls`]: PostgreSQL `sslmode` (SQL and replication connections), PEM files, the rustls
 //!   crypto provider.
 
+// Only with `--features mimalloc`, to compare allocators (docs/benchmarks.md, "Allocator").
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 pub mod admin;
 pub mod backoff;
 pub mod command;

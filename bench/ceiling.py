@@ -1,0 +1,73 @@
+"""The insert-ceiling search of bench/bench.py (issue 16): what limits the highest rate the relay
+sustains on this machine.
+
+Two ramps over --ceiling-rates, each stopped at the first rate it cannot hold:
+1. Postgres alone: examples/load_gen inserting single-row transactions into a database with no
+   slot and no relay. Its highest achieved rate is what the machine can commit.
+2. The stream: the same load with the relay streaming it into Valkey (bench/steady.py), kept up
+   or not by the steady phase's rules.
+
+Every step records the CPU seconds of each process group while it ran (load_gen from wait4; the
+Postgres backends, the walsender and Valkey from /proc/PID/schedstat; the relay from
+/proc/PID/stat) and the machine's busy time, so the report can say which one ran out: a
+single-threaded process at ~100% of a core, or the machine's cores all busy.
+"""
+
+from __future__ import annotations
+
+from harness import Env, log
+from steady import load, run_steady
+
+
+def insert_only(env: Env, rates: list[int]) -> list[dict]:
+    """load_gen at each rate into a database nobody streams from, until it falls short."""
+    url = env.fresh_db("bench_ceiling_insert")
+    steps = []
+    try:
+        with env.admin() as c:
+            c.execute("CHECKPOINT")
+        for rate in rates:
+            rows = env.workdir / f"insert-{rate}.tsv"
+            sampler = env.cpu_sampler()
+            g = load(env, url, rate, env.a.step_seconds, rows)
+            servers = sampler.stop()
+            rows.unlink(missing_ok=True)
+            held = g["achieved_rate"] >= 0.95 * rate
+            steps.append({"target": rate, "achieved": g["achieved_rate"],
+                          "events": int(g["inserted"]), "connections": g["connections"],
+                          "load_gen_cpu_s": g["cpu_s"], "servers": servers, "kept_up": held})
+            log(f"    insert only: {g['achieved_rate']:,.0f}/s of {rate:,}/s")
+            if not held:
+                break
+    finally:
+        env.drop_db("bench_ceiling_insert")
+    return steps
+
+
+def phase_ceiling(env: Env) -> dict:
+    rates = [int(x) for x in env.a.ceiling_rates.split(",") if x]
+    log(f"phase ceiling: {env.a.ceiling_rates} /s, {env.a.step_seconds:g} s steps")
+    log("  Postgres alone (no slot, no relay)")
+    alone = insert_only(env, rates)
+    log("  with the relay streaming")
+    stream = run_steady(env, "bench_ceiling", [], rates)
+    return {"insert_only": alone, "stream": stream}
+
+
+def cores(step: dict) -> dict[str, float]:
+    """CPU of each process group during a step, in cores (CPU seconds per second of the step)."""
+    sv = step["servers"]
+    span = sv["span_s"] or float("nan")
+    out = {
+        "load_gen": step["load_gen_cpu_s"] / span,
+        "backends": (sv.get("cpu_pg_backend_s", 0.0) + sv.get("cpu_pg_background_s", 0.0)) / span,
+        "walsender": sv.get("cpu_walsender_s", 0.0) / span,
+        "walsender_wait": sv.get("wait_walsender_s", 0.0) / span,
+        "relay": step.get("relay_cpu_s", 0.0) / span,
+        "valkey": sv.get("cpu_valkey_s", 0.0) / span,
+        "busy": sv["machine_busy_s"] / span,
+        "top": sv.get("top_server_s", 0.0) / span,
+    }
+    out["other"] = max(0.0, out["busy"] - sum(out[k] for k in (
+        "load_gen", "backends", "walsender", "relay", "valkey")))
+    return out

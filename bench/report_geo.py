@@ -1,0 +1,164 @@
+"""The report of the production-geometry phases (bench/geometry.py, bench/ceiling.py,
+bench/link.py's calibration): one markdown section, written between
+`<!-- bench-geometry:begin -->` and `<!-- bench-geometry:end -->` of benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ceiling import cores
+from geometry import eps, median_steps
+from report import _header, _nan, _num, _rate
+
+BEGIN, END = "<!-- bench-geometry:begin -->", "<!-- bench-geometry:end -->"
+
+
+def _d(delay) -> str:
+    return "direct (no proxy)" if delay is None else f"{delay:g} ms"
+
+
+def _calibrate(rows: list[dict]) -> list[str]:
+    lines = [
+        "**The links**: round trips from the benchmark's Python process, one at a time, direct"
+        " and through examples/latency_proxy with a delay of D each way; the proxy's lateness is"
+        " how long after its due time each chunk was written (from the proxy's own counters,"
+        " both directions of both proxies, quarter-power-of-two buckets: upper bounds).", "",
+        "| D each way | Valkey PING p50 ms | p99 ms | Postgres SELECT 1 p50 ms | p99 ms "
+        "| proxy lateness p50 µs | p99 µs | chunks |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {_d(r['delay'])} | {_num(r['valkey_p50_ms'], 3)} | {_num(r['valkey_p99_ms'], 3)} "
+            f"| {_num(r['pg_p50_ms'], 3)} | {_num(r['pg_p99_ms'], 3)} "
+            f"| {_num(r.get('late_p50_us'), 1)} | {_num(r.get('late_p99_us'), 1)} "
+            f"| {r.get('late_chunks', '—')} |")
+    return lines + [""]
+
+
+def _pair_cells(p: dict) -> str:
+    rl, st = p["recvlogical"], p["stream"]
+    writes = st.get("batches")
+    tpw = st["events"] / writes if writes and not _nan(writes) else float("nan")
+    inflight = st.get("write_s", float("nan")) / st["drain_s"]
+    cpu = st["cpu_s"] / st["events"] * 1e6
+    return (f"{_rate(eps(rl))} | {_rate(eps(st))} | **{p['ratio']:.2f}** "
+            f"| {p['ratio_with_startup']:.2f} | {', '.join(f'{x:.2f}' for x in p['ratios'])} "
+            f"| {_num(cpu, 1)} | {_num(tpw, 1)} | {_num(inflight, 2)} "
+            f"| {_num(st['link'].get('p99_us'), 0)} | {_num(st['link'].get('proxy_cpu_s'), 2)}")
+
+
+PAIR_HEAD = ("pg_recvlogical events/s | stream events/s | ratio (median) | ratio with start-up "
+             "| ratio per round | relay CPU µs/event | tasks per Valkey write "
+             "| Valkey writes in flight (mean) | proxy lateness p99 µs | proxies' CPU s |")
+
+
+def _link(a: argparse.Namespace, link: dict) -> list[str]:
+    lines = [
+        f"**Drain over a link**: {link['events']:,} events in {a.per_txn}-row transactions,"
+        " committed before the consumer starts; pg_recvlogical reaches Postgres through the same"
+        " proxy as the relay, the relay reaches Valkey through a second one. Medians of"
+        f" {a.repeat} round(s); the ratio is stream / pg_recvlogical within each round; the"
+        " proxy columns are the stream run's (lateness: how long after its due time a chunk"
+        " left).", "",
+        "| D each way | " + PAIR_HEAD,
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for p in link["backlog"]:
+        lines.append(f"| {_d(p['delay'])} | {_pair_cells(p)} |")
+    lines += ["", "**Latency over a link**: single-row transactions at fixed rates (each rate"
+              f" {a.repeat} times, {a.step_seconds:g} s each, in one relay session); latency from"
+              " the commit timestamp to the task in Valkey (`pending_since`, stamped by the relay"
+              " as it sends the write, plus D for the write's way to Valkey). Medians of the runs;"
+              " the p99 of every run beside them.", "",
+              "| D each way | target/s | achieved/s | p50 ms | p99 ms | max ms | p99 of each run "
+              "| relay CPU µs/event | tasks per write | writes in flight | kept up |",
+              "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|:---:|"]
+    for s in link["steady"]:
+        for st in median_steps(s["steps"]):
+            lines.append(_steady_row(_d(s["delay"]), st))
+    return lines + [""]
+
+
+def _steady_row(first: str, st: dict) -> str:
+    g = st.get
+    return (f"| {first} | {st['target']:,} | {_rate(g('achieved'))} | {_num(g('p50_ms'), 1)} "
+            f"| {_num(g('p99_ms'), 1)} | {_num(g('max_ms'), 1)} "
+            f"| {', '.join(_num(x, 1) for x in st['p99_runs'])} "
+            f"| {_num(g('relay_cpu_us_per_event'), 1)} | {_num(g('tasks_per_write'), 1)} "
+            f"| {_num(g('writes_in_flight'), 2)} | {'yes' if st['kept_up'] else 'no'} |")
+
+
+def _payloads(a: argparse.Namespace, res: dict, fsync: bool) -> list[str]:
+    s = res["settings"]
+    server = ", ".join(f"{k}={v}" for k, v in sorted(s.items()))
+    lines = [
+        f"**Payload sizes, {'fsync on' if fsync else 'the usual server'}** ({server}):"
+        " backlogs of 100-row transactions whose payload is an incompressible hex blob; MB/s"
+        f" counts payload bytes (at most {a.payload_mib} MiB of payloads per backlog). Medians of"
+        f" {a.repeat} round(s); proxy columns are the stream run's.", "",
+        "| D each way | payload B (measured) | events | pg_recvlogical MB/s | stream MB/s | "
+        + PAIR_HEAD,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for p in res["rows"]:
+        mb = lambda r: eps(r) * p["payload_bytes"] / 1e6  # noqa: E731
+        lines.append(
+            f"| {_d(p['delay'])} | {p['payload_bytes']:,.0f} | {p['stream']['events']:,} "
+            f"| {_num(mb(p['recvlogical']), 1)} | {_num(mb(p['stream']), 1)} | {_pair_cells(p)} |")
+    if res["steady"]:
+        lines += ["", "Steady load on the same server (as in the link table):", "",
+                  "| D each way | target/s | achieved/s | p50 ms | p99 ms | max ms "
+                  "| p99 of each run | relay CPU µs/event | tasks per write | writes in flight "
+                  "| kept up |",
+                  "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|:---:|"]
+        for s in res["steady"]:
+            for st in median_steps(s["steps"]):
+                lines.append(_steady_row(_d(s["delay"]), st))
+    return lines + [""]
+
+
+def _ceiling(a: argparse.Namespace, res: dict) -> list[str]:
+    lines = [
+        f"**The insert ceiling**: single-row transactions at rising rates, {a.step_seconds:g} s"
+        " per step, until a rate is not held; first Postgres alone (no slot, no relay), then with"
+        " the relay streaming (kept up as in the steady phase). CPU in cores (CPU seconds per"
+        " second of the step and its drain) per process group; \"busiest\" is the busiest single"
+        " Postgres or Valkey process (1.00 is a whole core).", "",
+        "| run | target/s | achieved/s | p99 ms | held | load_gen | Postgres backends "
+        "| walsender (waiting) | relay | Valkey | other | machine busy | busiest |",
+        "|---|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for run, steps in (("Postgres alone", res["insert_only"]), ("with the relay", res["stream"])):
+        for st in steps:
+            c = cores(st)
+            lines.append(
+                f"| {run} | {st['target']:,} | {_rate(st['achieved'])} "
+                f"| {_num(st.get('p99_ms'), 1)} | {'yes' if st['kept_up'] else 'no'} "
+                f"| {c['load_gen']:.2f} | {c['backends']:.2f} "
+                f"| {c['walsender']:.2f} ({c['walsender_wait']:.2f}) | {c['relay']:.2f} "
+                f"| {c['valkey']:.2f} | {c['other']:.2f} | {c['busy'] / a.nproc:.0%} "
+                f"| {st['servers'].get('top_server', '—')} {c['top']:.2f} |")
+    return lines + [""]
+
+
+def markdown(a: argparse.Namespace, m: dict, geo: dict) -> str:
+    if a.quick:
+        first = ("**QUICK RUN (`--quick`): a smoke test of the benchmark, not a measurement. Do not"
+                 " quote these numbers.**")
+    else:
+        first = (f"**Production geometry: {a.link_events:,} events per link backlog,"
+                 f" {a.step_seconds:g} s per load step, {a.repeat} rounds.**")
+    lines = [BEGIN, ""] + _header(a, m, first)
+    if "calibrate" in geo:
+        lines += _calibrate(geo["calibrate"])
+    if "link" in geo:
+        lines += _link(a, geo["link"])
+    if "payload" in geo:
+        lines += _payloads(a, geo["payload"], fsync=False)
+    if "fsync" in geo:
+        lines += _payloads(a, geo["fsync"], fsync=True)
+    if "ceiling" in geo:
+        lines += _ceiling(a, geo["ceiling"])
+    return "\n".join(lines + [END])
