@@ -233,6 +233,7 @@ pub async fn run(
                 sink,
                 metrics: metrics.clone(),
                 marker,
+                slot_watch: Default::default(),
             };
             stream.run(shutdown).await.map_err(RelayError::from)
         }

@@ -9,6 +9,7 @@ pub mod invariant;
 pub mod pg_slot;
 pub mod session;
 pub mod setup;
+pub mod slot_watch;
 pub mod source;
 pub mod stream;
 pub mod takeover;
