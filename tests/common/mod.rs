@@ -4,6 +4,7 @@
 
 pub mod certs;
 pub mod checker;
+pub mod pg_standby;
 pub mod topologies;
 
 use clap::Parser;
