@@ -7,7 +7,8 @@
 # For each PostgreSQL MAJOR (fetched by scripts/fetch-postgres.sh) runs, with
 # Valkey 8.1 as the sink (scripts/fetch-valkey.sh), the core of the suite:
 # the stream (tests/stream.rs), the poller (tests/poller.rs), the main fault
-# scenarios (tests/faults.rs) and the failover (tests/failover.rs), each version
+# scenarios (tests/faults.rs), the failover (tests/failover.rs) and the
+# runbook's commands (tests/runbook.rs), each version
 # through scripts/test.sh --pg MAJOR --valkey. The full suite runs on the
 # system's PostgreSQL 15 and Redis 7 (plain scripts/test.sh). Prints one line
 # per version with its time, and exits non-zero if any version failed.
@@ -23,7 +24,7 @@ if [[ ${1:-} == -h || ${1:-} == --help ]]; then
 fi
 VERSIONS=("$@")
 [[ ${#VERSIONS[@]} -gt 0 ]] || VERSIONS=(14 16 17 18)
-CORE=(--test stream --test poller --test faults --test failover)
+CORE=(--test stream --test poller --test faults --test failover --test runbook)
 
 # Fetch first, so a registry problem shows as such and not as a test failure.
 "$SCRIPTS/fetch-valkey.sh" >/dev/null
