@@ -24,7 +24,7 @@ if [[ ${1:-} == -h || ${1:-} == --help ]]; then
 fi
 VERSIONS=("$@")
 [[ ${#VERSIONS[@]} -gt 0 ]] || VERSIONS=(14 16 17 18)
-CORE=(--test stream --test poller --test faults --test failover --test runbook)
+CORE=(--no-fail-fast --test stream --test poller --test faults --test failover --test runbook)
 
 # Fetch first, so a registry problem shows as such and not as a test failure.
 "$SCRIPTS/fetch-valkey.sh" >/dev/null

@@ -29,7 +29,10 @@ fn blocks(doc: &str) -> Vec<Block> {
     let mut i = 0;
     while i < lines.len() {
         let line = lines[i].trim();
-        let Some(lang) = line.strip_prefix("```").filter(|l| matches!(*l, "sql" | "sh")) else {
+        let Some(lang) = line
+            .strip_prefix("```")
+            .filter(|l| matches!(*l, "sql" | "sh"))
+        else {
             i += 1;
             continue;
         };
@@ -162,5 +165,9 @@ async fn every_runbook_command_runs() {
         ran += 1;
     }
     assert!(promoted, "the runbook promotes the standby");
-    println!("RUNBOOK pg={} blocks_run={ran} of {}", pair.major, blocks.len());
+    println!(
+        "RUNBOOK pg={} blocks_run={ran} of {}",
+        pair.major,
+        blocks.len()
+    );
 }

@@ -2,7 +2,8 @@
 //! its sessions ([`session`]); the writes a session has in flight ([`writer`]); which LSN may be
 //! acknowledged ([`ack`]); the invariants checked in release builds ([`invariant`]); the I/O
 //! edges as traits ([`source`]) and their Postgres implementation ([`pg_slot`]); when a standby
-//! takes the slot over ([`takeover`]).
+//! takes the slot over ([`takeover`]); a slot on a standby
+//! ([`standby`]) and what changed under the slot between sessions ([`slot_watch`]).
 
 pub mod ack;
 pub mod invariant;
@@ -11,6 +12,7 @@ pub mod session;
 pub mod setup;
 pub mod slot_watch;
 pub mod source;
+pub mod standby;
 pub mod stream;
 pub mod takeover;
 pub mod writer;

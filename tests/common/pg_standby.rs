@@ -127,7 +127,10 @@ impl PgPair {
         text.push_str(&conf);
         std::fs::write(&auto, text).unwrap();
         if is_root() {
-            run("chown", &["-R", "postgres:postgres", dir_b.to_str().unwrap()]);
+            run(
+                "chown",
+                &["-R", "postgres:postgres", dir_b.to_str().unwrap()],
+            );
         }
         // Back up, and the standby beside it.
         script("pg-start.sh", &[dir_a.to_str().unwrap()]);
@@ -161,7 +164,10 @@ impl PgPair {
                 .await
                 .unwrap();
         }
-        admin.batch_execute("SELECT pg_reload_conf()").await.unwrap();
+        admin
+            .batch_execute("SELECT pg_reload_conf()")
+            .await
+            .unwrap();
         Self {
             primary,
             standby,
