@@ -11,7 +11,11 @@
 #   port_is_free PORT     succeed if PORT can be bound on 127.0.0.1
 #   as_pg_user CMD...     run CMD as the `postgres` user when we are root,
 #                         directly otherwise (runs from `/`: pass absolute paths)
-#   pg_bindir             print the PostgreSQL server bin dir (initdb, pg_ctl...)
+#   pg_bindir             print the PostgreSQL server bin dir (initdb, pg_ctl...):
+#                         $OUTBOX_TEST_PG_BINDIR if set (scripts/fetch-postgres.sh), else the system's
+#   redis_server_bin      print the redis-server to run: $OUTBOX_TEST_REDIS_SERVER if set
+#                         (scripts/fetch-valkey.sh), else redis-server from PATH
+#   outbox_cache_dir      print the folder for fetched binaries (see scripts/fetch-postgres.sh)
 #   abs_path PATH         print PATH made absolute (need not exist)
 #   tail_log FILE [N]     print the last N (default 40) lines of FILE on stderr
 #   use_tls CERTDIR       make rcli (and redis_tls_args) use TLS with the certificates in
@@ -102,6 +106,12 @@ as_pg_user() {
 
 pg_bindir() {
     local dir
+    if [[ -n ${OUTBOX_TEST_PG_BINDIR:-} ]]; then
+        [[ -x $OUTBOX_TEST_PG_BINDIR/pg_ctl ]] ||
+            die "OUTBOX_TEST_PG_BINDIR=$OUTBOX_TEST_PG_BINDIR has no pg_ctl"
+        echo "$OUTBOX_TEST_PG_BINDIR"
+        return 0
+    fi
     if command -v pg_config >/dev/null 2>&1; then
         dir=$(pg_config --bindir 2>/dev/null || true)
         if [[ -n $dir && -x $dir/pg_ctl ]]; then
@@ -121,6 +131,29 @@ pg_bindir() {
         return 0
     fi
     die "no PostgreSQL server binaries found (pg_config/pg_ctl); install postgresql"
+}
+
+redis_server_bin() {
+    if [[ -n ${OUTBOX_TEST_REDIS_SERVER:-} ]]; then
+        [[ -x $OUTBOX_TEST_REDIS_SERVER ]] ||
+            die "OUTBOX_TEST_REDIS_SERVER=$OUTBOX_TEST_REDIS_SERVER is not an executable"
+        echo "$OUTBOX_TEST_REDIS_SERVER"
+        return 0
+    fi
+    command -v redis-server >/dev/null 2>&1 || die "redis-server not found (apt-get install redis-server)"
+    command -v redis-server
+}
+
+# Fetched server binaries live here, never in the repository. As root the default is under
+# /var/cache: the `postgres` user runs the binaries and cannot enter /root.
+outbox_cache_dir() {
+    if [[ -n ${OUTBOX_CACHE:-} ]]; then
+        abs_path "$OUTBOX_CACHE"
+    elif [[ $(id -u) -eq 0 ]]; then
+        echo /var/cache/outbox-relay
+    else
+        echo "${XDG_CACHE_HOME:-$HOME/.cache}/outbox-relay"
+    fi
 }
 
 abs_path() {

@@ -13,7 +13,8 @@
 #   EXTRA  passed to postgres after the defaults, so they win, e.g.
 #          `-- -c wal_level=replica -c max_wal_senders=5`.
 #
-# Runs initdb (trust auth, superuser `postgres`, UTF8, C locale) unless
+# The server binaries are $OUTBOX_TEST_PG_BINDIR's if set (scripts/fetch-postgres.sh
+# prints one), else the system's. Runs initdb (trust auth, superuser `postgres`, UTF8, C locale) unless
 # DIR/data already exists, then `pg_ctl start -w` listening on 127.0.0.1 only
 # with wal_level=logical and test-friendly settings (fsync off, ...).
 # Prints `postgres://postgres@127.0.0.1:PORT/postgres` as the only stdout line

@@ -19,7 +19,8 @@
 #   SERVER_ARGS  more redis-server options (e.g. `--cluster-enabled yes`),
 #         after the script's own; give them again on a restart.
 #
-# Starts `redis-server` daemonized on 127.0.0.1 with no persistence
+# Starts `redis-server` ($OUTBOX_TEST_REDIS_SERVER if set, e.g. the valkey-server that
+# scripts/fetch-valkey.sh prints) daemonized on 127.0.0.1 with no persistence
 # (--save "" --appendonly no), waits up to ~10 s for PING to answer PONG and
 # prints `redis://127.0.0.1:PORT` as the only stdout line (also written to
 # DIR/url); everything else goes to stderr. If a server started in DIR is
@@ -59,7 +60,7 @@ if [[ -n $PORT ]] && { ! [[ $PORT =~ ^[0-9]+$ ]] || ((PORT < 1 || PORT > 65535))
     die "bad PORT '$PORT'"
 fi
 
-command -v redis-server >/dev/null 2>&1 || die "redis-server not found (apt-get install redis-server)"
+REDIS_SERVER=$(redis_server_bin)
 command -v redis-cli >/dev/null 2>&1 || die "redis-cli not found (apt-get install redis-tools)"
 
 PIDFILE=$DIR/redis.pid
@@ -124,7 +125,7 @@ while :; do
     [[ -f $DIR/redis.conf ]] && CONF=("$DIR/redis.conf")
     LISTEN=(--port "$PORT")
     [[ -z $TLS ]] || mapfile -t LISTEN < <(redis_tls_args "$PORT")
-    redis-server "${CONF[@]}" --daemonize yes --bind 127.0.0.1 "${LISTEN[@]}" \
+    "$REDIS_SERVER" "${CONF[@]}" --daemonize yes --bind 127.0.0.1 "${LISTEN[@]}" \
         --save "" --appendonly no --dir "$DIR" \
         --pidfile "$PIDFILE" --logfile "$LOGFILE" "${EXTRA[@]}" >&2 ||
         die "redis-server failed to launch"

@@ -33,11 +33,13 @@ if [[ -s $DIR/tls && -r $(cat "$DIR/tls")/client.key ]]; then
 fi
 
 # Alive = exists, is not a zombie (PID 1 here reaps orphans lazily), and is
-# a redis-server (guards against a recycled pid).
+# a redis-server or valkey-server (guards against a recycled pid).
 alive() {
     [[ -n $PID && -r /proc/$PID/stat ]] || return 1
     [[ $(awk '{print $3}' "/proc/$PID/stat" 2>/dev/null) != Z ]] || return 1
-    [[ $(cat "/proc/$PID/comm" 2>/dev/null) == redis-server* ]]
+    local comm
+    comm=$(cat "/proc/$PID/comm" 2>/dev/null) || return 1
+    [[ $comm == redis-server* || $comm == valkey-server* ]]
 }
 
 wait_gone() {

@@ -2,10 +2,17 @@
 # scripts/test.sh — the project's test command.
 #
 # Usage:
-#   scripts/test.sh [--quick] [CARGO_TEST_ARGS...]
+#   scripts/test.sh [--quick] [--pg MAJOR] [--valkey] [CARGO_TEST_ARGS...]
 #
-#   --quick  (first argument only, not forwarded) exports OUTBOX_TEST_QUICK=1
-#            so slow tests can cut themselves short.
+#   --quick  exports OUTBOX_TEST_QUICK=1 so slow tests can cut themselves short.
+#   --pg MAJOR  runs every Postgres of the tests (the shared one and those the
+#            tests start) with PostgreSQL MAJOR (14..18) from
+#            scripts/fetch-postgres.sh: exports OUTBOX_TEST_PG_BINDIR.
+#   --valkey runs every Redis server of the tests with valkey-server 8.1 from
+#            scripts/fetch-valkey.sh: exports OUTBOX_TEST_REDIS_SERVER.
+#   These options come first and are not forwarded; without them the system's
+#   PostgreSQL and redis-server run (or OUTBOX_TEST_PG_BINDIR /
+#   OUTBOX_TEST_REDIS_SERVER from the environment).
 #   Anything else goes to `cargo test --locked`, e.g.
 #   `scripts/test.sh --test relay -- --nocapture`.
 #
@@ -31,10 +38,23 @@ ROOT=$(dirname "$SCRIPTS")
 . "$SCRIPTS/lib.sh"
 
 QUICK=0
-if [[ ${1:-} == --quick ]]; then
-    QUICK=1
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+    --quick) QUICK=1 ;;
+    --pg)
+        [[ $# -ge 2 ]] || die "--pg needs a major version (14..18)"
+        OUTBOX_TEST_PG_BINDIR=$("$SCRIPTS/fetch-postgres.sh" "$2")
+        export OUTBOX_TEST_PG_BINDIR
+        shift
+        ;;
+    --valkey)
+        OUTBOX_TEST_REDIS_SERVER=$("$SCRIPTS/fetch-valkey.sh")
+        export OUTBOX_TEST_REDIS_SERVER
+        ;;
+    *) break ;;
+    esac
     shift
-fi
+done
 
 TMP=""
 CARGO_PID=""
@@ -56,7 +76,7 @@ procs_under_tmp() {
     for p in /proc/[0-9]*; do
         pid=${p#/proc/}
         comm=$(cat "$p/comm" 2>/dev/null) || continue
-        case "$comm" in postgres | redis-server*) ;; *) continue ;; esac
+        case "$comm" in postgres | redis-server* | valkey-server*) ;; *) continue ;; esac
         cwd=$(readlink "$p/cwd" 2>/dev/null) || continue
         [[ $cwd == "$TMP" || $cwd == "$TMP"/* ]] && echo "$pid"
     done
@@ -124,7 +144,7 @@ if ((QUICK)); then
     export OUTBOX_TEST_QUICK=1
 fi
 
-echo "==> test.sh: postgres $PG_URL (dir $TMP/pg); RUST_TEST_THREADS=$RUST_TEST_THREADS; OUTBOX_TEST_QUICK=${OUTBOX_TEST_QUICK:-0}; running: cargo test --locked $*" >&2
+echo "==> test.sh: postgres $PG_URL ($("$(pg_bindir)/postgres" --version), dir $TMP/pg); $("$(redis_server_bin)" --version | cut -d' ' -f1-3); RUST_TEST_THREADS=$RUST_TEST_THREADS; OUTBOX_TEST_QUICK=${OUTBOX_TEST_QUICK:-0}; running: cargo test --locked $*" >&2
 
 cd "$ROOT"
 # In the background so that INT/TERM reach our trap at once; the cleanup

@@ -33,6 +33,12 @@ pub struct ReasonLabel {
     pub reason: &'static str,
 }
 
+/// `outbox_slot_changes_total{kind}` labels: `timeline`, `other_cluster`, `behind`, `ahead`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: &'static str,
+}
+
 /// Every metric the relay exports.
 pub struct Metrics {
     /// Events confirmed in Valkey (new tasks plus TaskIDs that already existed).
@@ -63,6 +69,10 @@ pub struct Metrics {
     pub poller_delivered: Counter,
     /// The replication slot was found missing or invalidated.
     pub slot_lost: Counter,
+    /// The slot or server was not the one the stream left (replication/slot_watch.rs), by kind.
+    pub slot_changes: Family<KindLabel, Counter>,
+    /// The Postgres timeline at the stream's last check (it changes when a standby is promoted).
+    pub timeline: Gauge,
     /// Rows the stream marked published, or deleted with `OUTBOX_DELETE_DELIVERED`.
     pub marked: Counter,
     /// Row ids not marked because the marking queue was full (the poller re-sends them).
@@ -113,6 +123,8 @@ impl Metrics {
             poller_errors: Counter::default(),
             poller_delivered: Counter::default(),
             slot_lost: Counter::default(),
+            slot_changes: Family::default(),
+            timeline: Gauge::default(),
             marked: Counter::default(),
             mark_dropped: Counter::default(),
             pending: Gauge::default(),
@@ -269,6 +281,17 @@ impl Metrics {
             "outbox_invariant_violations",
             "Broken delivery invariants; each ended a session without acknowledging",
             m.invariant_violations.clone(),
+        );
+        registry.register(
+            "outbox_slot_changes",
+            "Times the slot or server was not the one the stream left (timeline change, another \
+             cluster, slot moved behind or ahead of the relay), by kind",
+            m.slot_changes.clone(),
+        );
+        registry.register(
+            "outbox_postgres_timeline",
+            "The Postgres timeline at the stream's last check (changes when a standby is promoted)",
+            m.timeline.clone(),
         );
         m
     }

@@ -7,12 +7,19 @@
 //! out of the connection string before it parses the rest. Under `prefer`, as in libpq, a TLS
 //! handshake that fails is retried once without TLS (tokio-postgres alone falls back only when
 //! the server declines TLS); the replication stream does the same.
+//!
+//! A URL may name several hosts, as libpq's (`host=a,b port=5432,5433` or
+//! `postgres://a:5432,b:5433/db?target_session_attrs=read-write`). SQL connections try them in
+//! order and take the first that fits `target_session_attrs`; that host is remembered, and the
+//! replication connection (which takes one host) goes to it. The stream opens an SQL connection
+//! (the slot check) right before each replication session, so after a failover it follows the
+//! new primary.
 
 use crate::tls::{PgTls, SslMode};
 use futures::TryFutureExt;
 use pgwire_replication::ReplicationConfig;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::config::Host;
@@ -59,6 +66,8 @@ pub struct PgTarget {
     fallback_logged: Arc<AtomicBool>,
     /// How long a link may stay silent before it counts as dead.
     link_timeout: Duration,
+    /// Of several hosts, the index of the one the last SQL connection was made to.
+    chosen_host: Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for PgTarget {
@@ -117,6 +126,7 @@ impl PgTarget {
             connector,
             fallback_logged: Arc::new(AtomicBool::new(false)),
             link_timeout: DEFAULT_LINK_TIMEOUT,
+            chosen_host: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -132,14 +142,98 @@ impl PgTarget {
         self.link_timeout
     }
 
+    /// How many hosts the URL names.
+    pub fn host_count(&self) -> usize {
+        self.config.get_hosts().len()
+    }
+
+    /// The configuration for host `i` alone (its port, or the only port given), with every
+    /// other setting of the URL, `target_session_attrs` included.
+    fn single_host(&self, i: usize) -> tokio_postgres::Config {
+        let from = &self.config;
+        let mut c = tokio_postgres::Config::new();
+        match &from.get_hosts()[i] {
+            Host::Tcp(h) => c.host(h),
+            Host::Unix(p) => c.host_path(p),
+        };
+        if let Some(addr) = from.get_hostaddrs().get(i) {
+            c.hostaddr(*addr);
+        }
+        let ports = from.get_ports();
+        if let Some(port) = ports.get(i).or(ports.first().filter(|_| ports.len() == 1)) {
+            c.port(*port);
+        }
+        if let Some(user) = from.get_user() {
+            c.user(user);
+        }
+        if let Some(password) = from.get_password() {
+            c.password(password);
+        }
+        if let Some(db) = from.get_dbname() {
+            c.dbname(db);
+        }
+        if let Some(options) = from.get_options() {
+            c.options(options);
+        }
+        if let Some(name) = from.get_application_name() {
+            c.application_name(name);
+        }
+        if let Some(t) = from.get_connect_timeout() {
+            c.connect_timeout(*t);
+        }
+        if let Some(t) = from.get_tcp_user_timeout() {
+            c.tcp_user_timeout(*t);
+        }
+        c.keepalives(from.get_keepalives())
+            .keepalives_idle(from.get_keepalives_idle());
+        if let Some(t) = from.get_keepalives_interval() {
+            c.keepalives_interval(t);
+        }
+        if let Some(n) = from.get_keepalives_retries() {
+            c.keepalives_retries(n);
+        }
+        c.ssl_mode(from.get_ssl_mode())
+            .ssl_negotiation(from.get_ssl_negotiation())
+            .channel_binding(from.get_channel_binding())
+            .target_session_attrs(from.get_target_session_attrs());
+        c
+    }
+
     /// Connects as `sslmode` says. Under `prefer`, a TLS handshake that fails (a server whose
     /// TLS the relay cannot speak, a certificate it cannot use) is followed by one attempt
     /// without TLS, as libpq does; stricter modes fail.
     async fn open(&self) -> Result<Connected, tokio_postgres::Error> {
-        match self.config.connect(self.connector.clone()).await {
+        if self.host_count() < 2 {
+            return self.open_with(&self.config).await;
+        }
+        // Host by host, as libpq does, so that the one chosen is known.
+        let mut last = None;
+        for i in 0..self.host_count() {
+            match self.open_with(&self.single_host(i)).await {
+                Ok(connected) => {
+                    if self.chosen_host.swap(i, Ordering::Relaxed) != i {
+                        tracing::info!(target_db = %self.display_host(i), "postgres host chosen");
+                    }
+                    return Ok(connected);
+                }
+                Err(e) => {
+                    tracing::debug!(target_db = %self.display_host(i), error = %e,
+                        "postgres host not usable; trying the next");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.expect("at least two hosts were tried"))
+    }
+
+    async fn open_with(
+        &self,
+        config: &tokio_postgres::Config,
+    ) -> Result<Connected, tokio_postgres::Error> {
+        match config.connect(self.connector.clone()).await {
             Err(e) if self.tls.mode == SslMode::Prefer && failed_in_tls_handshake(&e) => {
                 self.log_fallback(&e);
-                let mut plain = self.config.clone();
+                let mut plain = config.clone();
                 plain.ssl_mode(tokio_postgres::config::SslMode::Disable);
                 plain.connect(self.connector.clone()).await
             }
@@ -164,24 +258,50 @@ impl PgTarget {
         &self.tls
     }
 
-    /// `user@host:port/db`, no password: safe for logs.
+    /// `user@host:port/db` (the hosts comma-separated), no password: safe for logs.
     pub fn display(&self) -> String {
-        let host = match self.config.get_hosts().first() {
-            Some(Host::Tcp(h)) => h.clone(),
-            Some(Host::Unix(p)) => p.display().to_string(),
-            None => "?".into(),
-        };
+        let hosts: Vec<String> = (0..self.host_count())
+            .map(|i| format!("{}:{}", self.host_name(i), self.port_of(i)))
+            .collect();
         format!(
-            "{}@{}:{}/{}",
+            "{}@{}/{}",
             self.config.get_user().unwrap_or("?"),
-            host,
-            self.port(),
+            if hosts.is_empty() {
+                "?".to_owned()
+            } else {
+                hosts.join(",")
+            },
             self.dbname()
         )
     }
 
-    fn port(&self) -> u16 {
-        self.config.get_ports().first().copied().unwrap_or(5432)
+    /// [`Self::display`] for host `i` alone.
+    fn display_host(&self, i: usize) -> String {
+        format!(
+            "{}@{}:{}/{}",
+            self.config.get_user().unwrap_or("?"),
+            self.host_name(i),
+            self.port_of(i),
+            self.dbname()
+        )
+    }
+
+    fn host_name(&self, i: usize) -> String {
+        match self.config.get_hosts().get(i) {
+            Some(Host::Tcp(h)) => h.clone(),
+            Some(Host::Unix(p)) => p.display().to_string(),
+            None => "?".into(),
+        }
+    }
+
+    /// Host `i`'s port: its own, or the only one given, or 5432.
+    fn port_of(&self, i: usize) -> u16 {
+        let ports = self.config.get_ports();
+        match ports.len() {
+            0 => 5432,
+            1 => ports[0],
+            _ => ports.get(i).copied().unwrap_or(5432),
+        }
     }
 
     fn dbname(&self) -> &str {
@@ -238,17 +358,22 @@ impl PgTarget {
             .expect("a pool with the tokio runtime set always builds")
     }
 
-    /// Replication connection parameters for `slot` and `publication`.
+    /// Replication connection parameters for `slot` and `publication`, to the host the last SQL
+    /// connection chose (the first host until one was made).
     pub fn replication(&self, slot: &str, publication: &str) -> ReplicationConfig {
         let password = self
             .config
             .get_password()
             .map(|p| String::from_utf8_lossy(p).into_owned())
             .unwrap_or_default();
-        let base = match self.config.get_hosts().first() {
+        let i = self
+            .chosen_host
+            .load(Ordering::Relaxed)
+            .min(self.host_count().saturating_sub(1));
+        let base = match self.config.get_hosts().get(i) {
             Some(Host::Unix(dir)) => ReplicationConfig::unix(
                 dir.display().to_string(),
-                self.port(),
+                self.port_of(i),
                 self.user(),
                 password,
                 self.dbname(),
@@ -263,7 +388,7 @@ impl PgTarget {
                 slot,
                 publication,
             )
-            .with_port(self.port())
+            .with_port(self.port_of(i))
             .with_tls(self.tls.replication(host)),
             None => unreachable!("parse() refuses URLs without a host"),
         };
@@ -542,5 +667,37 @@ mod tests {
             .to_string();
         assert!(err.contains("sslrootcert /nope.pem"), "{err}");
         assert!(PgTarget::parse("postgres://u@h/db?sslmode=allow").is_err());
+    }
+
+    #[test]
+    fn several_hosts_are_tried_one_by_one_and_replication_follows_the_chosen_one() {
+        let t = PgTarget::parse(
+            "postgres://u:pw@10.0.0.1:5433,db-b:5434/app?target_session_attrs=read-write",
+        )
+        .unwrap();
+        assert_eq!(t.host_count(), 2);
+        assert_eq!(t.display(), "u@10.0.0.1:5433,db-b:5434/app");
+        let b = t.single_host(1);
+        assert_eq!(b.get_hosts(), [Host::Tcp("db-b".into())]);
+        assert_eq!(b.get_ports(), [5434]);
+        assert_eq!(b.get_password(), Some(&b"pw"[..]));
+        assert_eq!(b.get_dbname(), Some("app"));
+        assert_eq!(
+            b.get_target_session_attrs(),
+            tokio_postgres::config::TargetSessionAttrs::ReadWrite
+        );
+        assert_eq!(b.get_options(), Some(SESSION_OPTIONS));
+        let r = t.replication("s", "p");
+        assert_eq!((r.host.as_str(), r.port), ("10.0.0.1", 5433));
+        t.chosen_host.store(1, Ordering::Relaxed);
+        let r = t.replication("s", "p");
+        assert_eq!(
+            (r.host.as_str(), r.port, r.password.as_str()),
+            ("db-b", 5434, "pw")
+        );
+        // libpq's key=value form; one port for every host.
+        let t = PgTarget::parse("host=a,b port=6000 user=u dbname=d").unwrap();
+        assert_eq!(t.display(), "u@a:6000,b:6000/d");
+        assert_eq!(t.single_host(1).get_ports(), [6000]);
     }
 }

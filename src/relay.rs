@@ -12,6 +12,7 @@ use crate::poller::{self, Poller, PollerSettings};
 use crate::postgres::{PgError, PgTarget};
 use crate::replication::pg_slot::PgSlot;
 use crate::replication::setup::{self, SetupError};
+use crate::replication::standby;
 use crate::replication::stream::{Stream, StreamError, StreamSettings};
 use crate::sink::valkey::ValkeySink;
 use crate::sink::SinkError;
@@ -39,6 +40,8 @@ pub enum RelayError {
     },
     #[error(transparent)]
     Stream(#[from] StreamError),
+    #[error(transparent)]
+    Standby(#[from] crate::replication::standby::StandbyError),
 }
 
 /// Task bytes per batch at most (with `OUTBOX_BATCH_SIZE` rows at most): with
@@ -72,7 +75,10 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName)
         setup::check_replication_privilege(&client).await?;
         // The publication first: a slot created before it may miss the table's first changes.
         setup::ensure_publication(&client, &args.db.publication, &table).await?;
-        let slot = setup::ensure_slot(&client, &args.slot).await?;
+        let slot = match &args.replication_url {
+            None => setup::ensure_slot(&client, &args.slot).await?,
+            Some(url) => standby::ensure_slot(&client, &standby::target(url)?, &args.slot).await?,
+        };
         tracing::info!(slot = %args.slot, confirmed_flush = %slot.confirmed_flush, wal_status = ?slot.wal_status, "slot ready");
     }
     let sink = ValkeySink::connect(valkey_target)
@@ -212,6 +218,11 @@ pub async fn run(
                 set.spawn(marker.run(background.clone()));
                 handle
             });
+            // The slot's server: a standby with OUTBOX_REPLICATION_URL, else the primary.
+            let pg = match &args.replication_url {
+                Some(url) => standby::target(url)?,
+                None => pg,
+            };
             let stream = Stream {
                 port: PgSlot {
                     pg,
@@ -236,6 +247,7 @@ pub async fn run(
                 sink,
                 metrics: metrics.clone(),
                 marker,
+                slot_watch: Default::default(),
             };
             stream.run(shutdown).await.map_err(RelayError::from)
         }

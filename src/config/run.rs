@@ -91,6 +91,11 @@ pub struct RunArgs {
     /// poller delivers what the stream missed) or stop with an error.
     #[arg(long, env = "OUTBOX_ON_SLOT_LOST", value_enum, default_value_t = OnSlotLost::Recreate)]
     pub on_slot_lost: OnSlotLost,
+    /// Stream from this server instead, a hot standby of PostgreSQL 16+ (decoding on a standby):
+    /// the slot lives there and the primary spends no CPU on decoding; SQL (setup, poller,
+    /// marking) still goes to OUTBOX_DATABASE_URL. May contain a password.
+    #[arg(long, env = "OUTBOX_REPLICATION_URL", value_name = "URL")]
+    pub replication_url: Option<String>,
     /// A walsender holding the slot whose client has been silent this long is taken to be a
     /// zombie of a cut connection and terminated, so this relay can take the slot. A live
     /// relay answers every second, so a live replica is never touched.

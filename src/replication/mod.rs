@@ -3,7 +3,8 @@
 //! acknowledged ([`ack`]); the invariants checked in release builds ([`invariant`]); the I/O
 //! edges as traits ([`source`]) and their Postgres implementation ([`pg_slot`]); when a standby
 //! takes the slot over ([`takeover`]); when the link counts as dead ([`liveness`]); a
-//! publication dropped behind the slot ([`publication`]).
+//! publication dropped behind the slot ([`publication`]); a slot on a standby ([`standby`]) and
+//! what changed under the slot between sessions ([`slot_watch`]).
 
 pub mod ack;
 pub mod invariant;
@@ -12,7 +13,9 @@ pub mod pg_slot;
 pub mod publication;
 pub mod session;
 pub mod setup;
+pub mod slot_watch;
 pub mod source;
+pub mod standby;
 pub mod stream;
 pub mod takeover;
 pub mod writer;

@@ -162,4 +162,15 @@ impl SlotPort for PgSlot {
             .map_err(PgError::from)?;
         Ok(())
     }
+
+    async fn observe(&self) -> Option<super::slot_watch::Observation> {
+        let client = self.pg.connect().await.ok()?;
+        match super::slot_watch::observe(&client, &self.slot).await {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not check the slot's identity");
+                None
+            }
+        }
+    }
 }

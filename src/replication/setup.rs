@@ -273,14 +273,28 @@ pub async fn ensure_slot(client: &Client, slot: &str) -> Result<SlotInfo, SetupE
         return Ok(info);
     }
     // Two relays starting at once may race here: the loser's "already exists" is fine.
-    let created = client
-        .execute(
-            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&slot],
+    // From PostgreSQL 17 a slot on a primary is a failover slot: a standby with
+    // sync_replication_slots keeps a copy, and the stream goes on from it after a promotion
+    // (docs/operations.md). A standby cannot create one.
+    let failover: bool = client
+        .query_one(
+            "SELECT current_setting('server_version_num')::int >= 170000 AND NOT pg_is_in_recovery()",
+            &[],
         )
-        .await;
+        .await?
+        .get(0);
+    let create = if failover {
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+    } else {
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')"
+    };
+    let created = client.execute(create, &[&slot]).await;
     match created {
-        Ok(_) => tracing::info!(slot, "created logical replication slot (pgoutput)"),
+        Ok(_) => tracing::info!(
+            slot,
+            failover,
+            "created logical replication slot (pgoutput)"
+        ),
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_OBJECT) => {}
         Err(e) => return Err(e.into()),
     }

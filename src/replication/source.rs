@@ -74,4 +74,10 @@ pub trait SlotPort: Send + Sync {
 
     /// Terminates the walsender `pid` (a zombie holding the slot).
     fn terminate(&self, pid: i32) -> impl Future<Output = Result<(), StreamError>> + Send;
+
+    /// The slot's server and position before a session, for [`super::slot_watch`]; None when
+    /// unknown (the default: an implementation without a server identity).
+    fn observe(&self) -> impl Future<Output = Option<super::slot_watch::Observation>> + Send {
+        async { None }
+    }
 }

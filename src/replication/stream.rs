@@ -124,6 +124,8 @@ pub struct Stream<P: SlotPort, S: Sink> {
     pub metrics: Arc<Metrics>,
     /// Marks delivered rows published, when enabled.
     pub marker: Option<MarkerHandle>,
+    /// Notices a promoted standby or a slot recreated behind the relay's back.
+    pub slot_watch: super::slot_watch::SlotWatch,
 }
 
 impl<P: SlotPort, S: Sink> Stream<P, S> {
@@ -310,6 +312,11 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         streamed: &mut bool,
     ) -> Result<SessionEnd, StreamError> {
         let start = self.slot_position().await?;
+        self.slot_watch.check(
+            self.port.observe().await,
+            &self.settings.slot,
+            &self.metrics,
+        );
         let Some(mut source) = self.port.open(start, shutdown).await? else {
             return Ok(SessionEnd::Shutdown);
         };

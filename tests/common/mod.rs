@@ -13,6 +13,7 @@ pub mod databases;
 pub mod http;
 pub mod launcher;
 pub mod observed;
+pub mod pg_standby;
 pub mod proxy;
 pub mod servers;
 pub mod topologies;

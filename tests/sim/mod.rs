@@ -264,6 +264,7 @@ impl World {
             sink: self.valkey.sink(Writer::Stream(idx)),
             metrics,
             marker: Some(handle),
+            slot_watch: Default::default(),
         };
         let token = shutdown.clone();
         let bg = background.clone();

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# scripts/test-matrix.sh — the suite's core against every supported server version.
+#
+# Usage:
+#   scripts/test-matrix.sh [MAJOR...]      (default: 14 16 17 18)
+#
+# For each PostgreSQL MAJOR (fetched by scripts/fetch-postgres.sh) runs, with
+# Valkey 8.1 as the sink (scripts/fetch-valkey.sh), the core of the suite:
+# the stream (tests/stream.rs), the poller (tests/poller.rs), the main fault
+# scenarios (tests/faults.rs), the failover (tests/failover.rs) and the
+# runbook's commands (tests/runbook.rs), each version
+# through scripts/test.sh --pg MAJOR --valkey. The full suite runs on the
+# system's PostgreSQL 15 and Redis 7 (plain scripts/test.sh). Prints one line
+# per version with its time, and exits non-zero if any version failed.
+set -euo pipefail
+
+SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/lib.sh
+. "$SCRIPTS/lib.sh"
+
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}" >&2
+    exit 2
+fi
+VERSIONS=("$@")
+[[ ${#VERSIONS[@]} -gt 0 ]] || VERSIONS=(14 16 17 18)
+CORE=(--no-fail-fast --test stream --test poller --test faults --test failover --test runbook)
+
+# Fetch first, so a registry problem shows as such and not as a test failure.
+"$SCRIPTS/fetch-valkey.sh" >/dev/null
+for v in "${VERSIONS[@]}"; do
+    "$SCRIPTS/fetch-postgres.sh" "$v" >/dev/null
+done
+
+failed=()
+summary=()
+for v in "${VERSIONS[@]}"; do
+    start=$SECONDS
+    log "PostgreSQL $v + Valkey 8.1: ${CORE[*]}"
+    if "$SCRIPTS/test.sh" --pg "$v" --valkey "${CORE[@]}"; then
+        result=ok
+    else
+        result=FAILED
+        failed+=("$v")
+    fi
+    summary+=("MATRIX pg=$v valkey=8.1 result=$result seconds=$((SECONDS - start))")
+done
+printf '%s\n' "${summary[@]}"
+if [[ ${#failed[@]} -gt 0 ]]; then
+    die "failed on PostgreSQL ${failed[*]}"
+fi
