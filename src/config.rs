@@ -52,6 +52,12 @@ pub enum Command {
     Cleanup(CleanupArgs),
     /// Slot, publication, backlog, dead letters and Valkey queues at a glance.
     Status(StatusArgs),
+    /// Where is an event: its row, the slot, its asynq task, and a verdict.
+    Trace(Box<crate::trace::TraceArgs>),
+    /// Enqueue published rows again (dry run unless --yes).
+    Replay(Box<crate::replay::ReplayArgs>),
+    /// Find published rows whose tasks Valkey lost, and re-enqueue them with --yes.
+    Reconcile(Box<crate::reconcile::ReconcileArgs>),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -657,7 +663,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(total)
 }
 
-fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_positive_duration(s: &str) -> Result<Duration, String> {
     let d = parse_duration(s)?;
     if d.is_zero() {
         return Err("must be greater than zero".into());
@@ -665,7 +671,7 @@ fn parse_positive_duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-fn parse_positive_usize(s: &str) -> Result<usize, String> {
+pub fn parse_positive_usize(s: &str) -> Result<usize, String> {
     match s.trim().parse::<i64>() {
         Ok(n) if n > 0 => usize::try_from(n).map_err(|_| "too large".to_string()),
         Ok(_) => Err("must be greater than zero".into()),
@@ -700,7 +706,7 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 #[derive(Debug, Clone, Default)]
 pub struct QueueRoutes(pub Vec<QueueRoute>);
 
-fn parse_routes(s: &str) -> Result<QueueRoutes, String> {
+pub fn parse_routes(s: &str) -> Result<QueueRoutes, String> {
     s.split(',')
         .map(str::trim)
         .filter(|item| !item.is_empty())
@@ -715,7 +721,7 @@ fn parse_table(s: &str) -> Result<TableName, String> {
     })
 }
 
-fn parse_identifier(s: &str) -> Result<String, String> {
+pub fn parse_identifier(s: &str) -> Result<String, String> {
     let ok = !s.is_empty()
         && s.len() <= 63
         && s.chars()
@@ -732,7 +738,7 @@ fn parse_identifier(s: &str) -> Result<String, String> {
     }
 }
 
-fn parse_nonempty(s: &str) -> Result<String, String> {
+pub fn parse_nonempty(s: &str) -> Result<String, String> {
     if s.trim().is_empty() {
         Err("must not be empty".into())
     } else {

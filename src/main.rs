@@ -64,7 +64,18 @@ fn validate(command: &Command) -> Result<(), outbox_relay::config::ConfigError> 
             args.db.target()?;
             args.valkey.target().map(|_| ())
         }
+        Command::Trace(args) => targets(&args.db, &args.valkey),
+        Command::Replay(args) => targets(&args.db, &args.valkey),
+        Command::Reconcile(args) => args.validate(),
     }
+}
+
+fn targets(
+    db: &outbox_relay::config::DatabaseArgs,
+    valkey: &outbox_relay::config::ValkeyArgs,
+) -> Result<(), outbox_relay::config::ConfigError> {
+    db.target()?;
+    valkey.target().map(|_| ())
 }
 
 /// clap's error, with the environment variable of the offending flag named too.
@@ -189,6 +200,21 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::DeadLetters(cmd) => dead_letters(cmd).await,
+        Command::Trace(args) => print(
+            args.json,
+            &outbox_relay::trace::trace(&args).await?[..],
+            outbox_relay::trace::render,
+        ),
+        Command::Replay(args) => print(
+            args.json,
+            &outbox_relay::replay::replay(&args).await?,
+            outbox_relay::replay::render,
+        ),
+        Command::Reconcile(args) => print(
+            args.json,
+            &outbox_relay::reconcile::reconcile(&args).await?,
+            outbox_relay::reconcile::render,
+        ),
         Command::Cleanup(args) => {
             let client = args.db.target()?.connect().await?;
             let store = outbox_relay::store::Store::new(args.db.table.clone());
@@ -212,6 +238,20 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// An operator command's result as JSON or as its text rendering.
+fn print<T: serde::Serialize + ?Sized>(
+    json: bool,
+    value: &T,
+    render: fn(&T) -> String,
+) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(value)?);
+    } else {
+        print!("{}", render(value));
+    }
+    Ok(())
 }
 
 async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {

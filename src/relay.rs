@@ -63,6 +63,7 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink), RelayErro
             source,
         })?;
     warn_on_eviction(&sink).await;
+    crate::valkey_durability::warn_if_volatile(&sink.connection()).await;
     Ok((pg, sink))
 }
 
