@@ -6,9 +6,10 @@
 //! - PostgreSQL keeps no commit LSN per row. The row's last writer (`xmin`) is known, and its
 //!   commit time when `track_commit_timestamp` is on; once the row was marked published or a
 //!   failed attempt was recorded, that writer is the relay's UPDATE, not the producer's INSERT.
-//! - "Is the slot past the row's commit?" is answered from the WAL position read together with
-//!   the row: the insert committed at or before it, so a slot confirmed at or beyond it is past
-//!   the commit. A slot behind it may or may not be: the answer is then "not known".
+//! - "Is the slot past the row's commit?" has a proven yes in two cases: the slot confirmed the
+//!   WAL position read together with the row (the insert committed at or before it), or the
+//!   row's last writer is older than the slot's `catalog_xmin` (it finished before the slot's
+//!   restart point). Otherwise the answer is "not known", never a guessed no.
 //! - A published row whose task is gone: within the task retention after the row's creation a
 //!   completed task would still be kept, so its task was lost by the sink (a Valkey restart
 //!   without persistence, a failover to a replica that missed writes, a manual delete). After
@@ -124,14 +125,15 @@ async fn read_row(
     args: &TraceArgs,
     commit_ts: bool,
     event_id: &str,
-) -> Result<Option<(EventRow, RowInfo, i64)>, OperatorError> {
+) -> Result<Option<(EventRow, RowInfo, Position)>, OperatorError> {
     let ts = if commit_ts {
         "pg_xact_commit_timestamp(xmin)::text"
     } else {
         "NULL::text"
     };
     let sql = format!(
-        "SELECT {COLUMNS}, xmin::text, {ts}, (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint \
+        "SELECT {COLUMNS}, xmin::text, {ts}, (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint, \
+                age(xmin) \
          FROM {} WHERE event_id::text = $1 ORDER BY id LIMIT 1",
         args.db.table.sql()
     );
@@ -140,6 +142,10 @@ async fn read_row(
     };
     let row = EventRow::from_row(&r);
     let wal: i64 = r.get(13);
+    let position = Position {
+        wal,
+        xmin_age: r.get(14),
+    };
     let info = RowInfo {
         id: row.id,
         event_name: row.event_name.clone(),
@@ -153,17 +159,44 @@ async fn read_row(
         last_write_committed_at: r.get(12),
         wal_lsn_when_read: lsn_text(wal),
     };
-    Ok(Some((row, info, wal)))
+    Ok(Some((row, info, position)))
 }
 
-/// The slot's confirmed position (as a number and as text), `None` without the slot.
+/// Where a row's commit is bounded: the WAL position read with it (the commit is at or
+/// before it), and the age of its last writer's transaction.
+#[derive(Debug, Clone, Copy)]
+struct Position {
+    wal: i64,
+    xmin_age: i32,
+}
+
+/// A slot's confirmed position and the age of its `catalog_xmin`.
+struct SlotPosition {
+    confirmed: i64,
+    confirmed_text: String,
+    catalog_xmin_age: Option<i32>,
+}
+
+impl SlotPosition {
+    /// Whether the slot is provably past the row's commit. Either the slot confirmed the WAL
+    /// position read with the row, or the row's last writer is older than the slot's
+    /// `catalog_xmin`: every transaction older than that had finished before the slot's restart
+    /// point, which is at or before its confirmed position, and the insert committed no later
+    /// than any transaction that updated the row since.
+    fn past(&self, row: &Position) -> bool {
+        self.confirmed >= row.wal || self.catalog_xmin_age.is_some_and(|a| row.xmin_age > a)
+    }
+}
+
+/// The slot's confirmed position, `None` without the slot.
 async fn read_slot(
     client: &tokio_postgres::Client,
     slot: &str,
-) -> Result<Option<(i64, String)>, OperatorError> {
+) -> Result<Option<SlotPosition>, OperatorError> {
     let row = client
         .query_opt(
-            "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint, confirmed_flush_lsn::text \
+            "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint, confirmed_flush_lsn::text, \
+                    age(catalog_xmin) \
              FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot],
         )
@@ -171,7 +204,11 @@ async fn read_slot(
     Ok(row.and_then(|r| {
         let n: Option<i64> = r.get(0);
         let t: Option<String> = r.get(1);
-        n.zip(t)
+        n.zip(t).map(|(confirmed, confirmed_text)| SlotPosition {
+            confirmed,
+            confirmed_text,
+            catalog_xmin_age: r.get(2),
+        })
     }))
 }
 
@@ -213,9 +250,9 @@ pub async fn trace(args: &TraceArgs) -> Result<Vec<Trace>, OperatorError> {
         let slot_info = SlotInfo {
             name: args.slot.clone(),
             exists: slot.is_some(),
-            confirmed_flush_lsn: slot.as_ref().map(|(_, t)| t.clone()),
+            confirmed_flush_lsn: slot.as_ref().map(|s| s.confirmed_text.clone()),
             past_row_commit: match (&slot, &row) {
-                (Some((confirmed, _)), Some((_, _, wal))) if confirmed >= wal => Some(true),
+                (Some(slot), Some((_, _, position))) if slot.past(position) => Some(true),
                 _ => None,
             },
         };

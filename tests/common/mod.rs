@@ -2,6 +2,7 @@
 //! test, the relay in-process or as the real binary, and the asynq view of Valkey.
 #![allow(dead_code)]
 
+pub mod asynq_worker;
 pub mod certs;
 pub mod checker;
 pub mod topologies;
