@@ -412,3 +412,37 @@ async fn migrate_gives_up_behind_a_long_transaction() {
     );
     tx.rollback().await.unwrap();
 }
+
+/// docker-compose.yml's healthcheck of the relay, run by bash against a real relay: it passes
+/// once the relay is ready, and fails where nothing listens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_compose_healthcheck_passes_on_a_ready_relay() {
+    let compose = read("docker-compose.yml");
+    let probe = compose
+        .lines()
+        .map(|l| l.trim().trim_start_matches("- "))
+        .find(|l| l.starts_with("exec 3<>/dev/tcp/127.0.0.1/9187"))
+        .expect("the relay's healthcheck command in docker-compose.yml");
+    let db = TestDb::new("sample_health").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &[])).await;
+    let run = |port: u16| {
+        let cmd = probe.replace("9187", &port.to_string());
+        std::process::Command::new("bash")
+            .arg("-c")
+            .arg(cmd)
+            .status()
+            .unwrap()
+            .success()
+    };
+    let port = relay.http.port();
+    eventually("the healthcheck passes", || async {
+        run(port).then_some(())
+    })
+    .await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_port = closed.local_addr().unwrap().port();
+    drop(closed);
+    assert!(!run(closed_port), "nothing listens there");
+    relay.stop().await;
+}
