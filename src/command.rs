@@ -36,6 +36,8 @@ pub enum CommandError {
     Relay(#[from] RelayError),
     #[error(transparent)]
     Json(#[from] serde_json::Error),
+    #[error(transparent)]
+    Operator(#[from] crate::operator::OperatorError),
 }
 
 /// Prints `value` to stdout: pretty JSON with `--json`, else as `render` lays it out.

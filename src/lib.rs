@@ -27,6 +27,11 @@
 //!   [`http`]: `/metrics`, `/healthz`, `/readyz`; [`monitor`]: periodic gauges, reachability,
 //!   heartbeat and stall detection; [`status`]: the `status` command.
 //! - [`backoff`]: the one capped-exponential retry delay.
+//! - [`trace`], [`replay`], [`reconcile`]: operator commands joining the row, the slot and the
+//!   asynq task ("where is event X", replay from the table, heal what Valkey lost); they share
+//!   [`operator`] (connections, errors), [`event_filter`] (which rows), [`task_args`] (the task
+//!   settings of `run`) and [`asynq_state`] (asynq's task states, read as its Inspector reads
+//!   them); [`valkey_durability`]: what a Valkey restart would lose.
 //! - [`tls`]: PostgreSQL `sslmode` (SQL and replication connections), PEM files, the rustls
 //!   crypto provider.
 
@@ -36,11 +41,13 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 pub mod admin;
+pub mod asynq_state;
 pub mod backoff;
 pub mod command;
 pub mod config;
 pub mod daemon;
 pub mod error_chain;
+pub mod event_filter;
 pub mod health;
 pub mod http;
 pub mod inspect;
@@ -48,18 +55,23 @@ pub mod marker;
 pub mod metrics;
 pub mod migrate;
 pub mod monitor;
+pub mod operator;
 pub mod pgoutput;
 pub mod poller;
 pub mod postgres;
 pub mod producer;
+pub mod reconcile;
 pub mod relay;
+pub mod replay;
 pub mod replication;
 pub mod sink;
 pub mod status;
 pub mod store;
 pub mod task;
+pub mod task_args;
 pub mod timer;
 pub mod tls;
+pub mod trace;
 pub mod valkey;
-
+pub mod valkey_durability;
 pub use error_chain::error_chain;

@@ -3,7 +3,7 @@
 //! configuration).
 
 use clap::Parser;
-use outbox_relay::command::CommandError;
+use outbox_relay::command::{print, CommandError};
 use outbox_relay::config::cli_error::naming_the_env_var;
 use outbox_relay::config::{Cli, Command, LogFormat};
 use outbox_relay::error_chain;
@@ -52,6 +52,18 @@ async fn dispatch(command: &Command) -> Result<(), CommandError> {
         Command::DeadLetters(cmd) => admin::execute_dead_letters(cmd).await,
         Command::Cleanup(args) => admin::execute_cleanup(args).await,
         Command::Status(args) => status::execute(args).await,
+        Command::Trace(args) => {
+            let traces = outbox_relay::trace::trace(args).await?;
+            print(args.json, &traces[..], outbox_relay::trace::render)
+        }
+        Command::Replay(args) => {
+            let report = outbox_relay::replay::replay(args).await?;
+            print(args.json, &report, outbox_relay::replay::render)
+        }
+        Command::Reconcile(args) => {
+            let report = outbox_relay::reconcile::reconcile(args).await?;
+            print(args.json, &report, outbox_relay::reconcile::render)
+        }
     }
 }
 

@@ -88,6 +88,7 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName)
             source,
         })?;
     warn_on_eviction(&sink).await;
+    crate::valkey_durability::warn_if_volatile(&sink.connection()).await;
     Ok((pg, sink, table))
 }
 

@@ -52,6 +52,12 @@ pub enum Command {
     Cleanup(CleanupArgs),
     /// Slot, publication, backlog, dead letters and Valkey queues at a glance.
     Status(Box<StatusArgs>),
+    /// Where is an event: its row, the slot, its asynq task, and a verdict.
+    Trace(Box<crate::trace::TraceArgs>),
+    /// Enqueue published rows again (dry run unless --yes).
+    Replay(Box<crate::replay::ReplayArgs>),
+    /// Find published rows whose tasks Valkey lost, and re-enqueue them with --yes.
+    Reconcile(Box<crate::reconcile::ReconcileArgs>),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -146,6 +152,15 @@ impl Command {
                 args.db.target()?;
                 args.valkey.target().map(drop)
             }
+            Command::Trace(args) => {
+                args.db.target()?;
+                args.valkey.target().map(drop)
+            }
+            Command::Replay(args) => {
+                args.db.target()?;
+                args.valkey.target().map(drop)
+            }
+            Command::Reconcile(args) => args.validate(),
         }
     }
 }

@@ -23,7 +23,10 @@ pub use cli::{
     CleanupArgs, Cli, Command, DeadLettersCommand, LogFormat, MigrateArgs, PeekArgs, StatusArgs,
 };
 pub use database::DatabaseArgs;
-pub use parse::{parse_duration, parse_size, QueueRoutes};
+pub use parse::{
+    parse_duration, parse_identifier, parse_nonempty, parse_positive_duration,
+    parse_positive_usize, parse_routes, parse_size, QueueRoutes,
+};
 pub use run::{Mode, OnSlotLost, RunArgs};
 pub use secret::{redact_url, Secret};
 pub use valkey::ValkeyArgs;

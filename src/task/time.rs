@@ -101,6 +101,19 @@ fn parse_offset(b: &[u8]) -> Option<i64> {
     (len == b.len()).then_some(sign * secs)
 }
 
+/// Unix seconds as RFC 3339 UTC (`2026-12-01T03:04:05Z`), for operator output of asynq's
+/// second-resolution times.
+pub fn unix_seconds_to_rfc3339(secs: i64) -> String {
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
 fn is_leap(y: i64) -> bool {
     (y % 4 == 0 && y % 100 != 0) || y % 400 == 0
 }
@@ -144,6 +157,16 @@ mod tests {
     fn conv(s: &str) -> Result<String, TimestampError> {
         let mut out = String::new();
         pg_timestamptz_to_rfc3339(s, &mut out).map(|()| out)
+    }
+
+    #[test]
+    fn unix_seconds_format() {
+        assert_eq!(unix_seconds_to_rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(
+            unix_seconds_to_rfc3339(1_796_094_245),
+            "2026-12-01T03:04:05Z"
+        );
+        assert_eq!(unix_seconds_to_rfc3339(-1), "1969-12-31T23:59:59Z");
     }
 
     #[test]

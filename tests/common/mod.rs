@@ -6,6 +6,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod asynq;
+pub mod asynq_states;
 pub mod asynq_worker;
 pub mod certs;
 pub mod checker;
