@@ -46,8 +46,12 @@ const FLUSH_IDS: usize = 250_000;
 const MISS_DELAY: Duration = Duration::from_millis(200);
 const MISS_TRIES: u8 = 3;
 
+/// A delivered row: its id and its event_id (the pair identifies it even across a failover,
+/// where a new primary may reuse an id).
+pub type Delivered = (i64, uuid::Uuid);
+
 struct Shared {
-    ids: Mutex<Vec<i64>>,
+    ids: Mutex<Vec<Delivered>>,
     notify: Notify,
 }
 
@@ -60,7 +64,7 @@ pub struct MarkerHandle {
 
 impl MarkerHandle {
     /// Queues `ids` for marking; drops (and counts) them when too many are waiting.
-    pub fn mark(&self, ids: Vec<i64>) {
+    pub fn mark(&self, ids: Vec<Delivered>) {
         if ids.is_empty() {
             return;
         }
@@ -85,7 +89,7 @@ pub struct Marker<T: OutboxTable> {
     /// How long a burst may wait to be marked.
     max_wait: Duration,
     /// Ids an UPDATE missed: (id, tries left), retried at `retry_at`.
-    missed: Vec<(i64, u8)>,
+    missed: Vec<(Delivered, u8)>,
     retry_at: Option<Instant>,
 }
 
@@ -131,7 +135,7 @@ impl<T: OutboxTable> Marker<T> {
                 _ = self.shared.notify.notified() => self.gather().await,
                 _ = sleep_until_opt(retry) => {
                     self.retry_at = None;
-                    let again: Vec<i64> = self.missed.iter().map(|(id, _)| *id).collect();
+                    let again: Vec<Delivered> = self.missed.iter().map(|(row, _)| *row).collect();
                     self.shared.ids.lock().expect("marker lock").extend(again);
                 }
             }
@@ -184,14 +188,14 @@ impl<T: OutboxTable> Marker<T> {
         }
     }
 
-    fn take(&self, max: usize) -> Vec<i64> {
+    fn take(&self, max: usize) -> Vec<Delivered> {
         let mut pending = self.shared.ids.lock().expect("marker lock");
         let n = pending.len().min(max);
         pending.drain(..n).collect()
     }
 
     /// One UPDATE; ids it did not find go to the miss list (when `retry_misses`).
-    async fn flush(&mut self, ids: &[i64], retry_misses: bool) -> Result<(), StoreError> {
+    async fn flush(&mut self, ids: &[Delivered], retry_misses: bool) -> Result<(), StoreError> {
         if ids.is_empty() {
             return Ok(());
         }
@@ -202,14 +206,14 @@ impl<T: OutboxTable> Marker<T> {
             return Ok(());
         }
         let marked: HashSet<i64> = marked.into_iter().collect();
-        let tries: std::collections::HashMap<i64, u8> = self.missed.drain(..).collect();
-        for &id in ids {
-            if marked.contains(&id) {
+        let tries: std::collections::HashMap<Delivered, u8> = self.missed.drain(..).collect();
+        for &row in ids {
+            if marked.contains(&row.0) {
                 continue;
             }
-            let left = tries.get(&id).copied().unwrap_or(MISS_TRIES);
+            let left = tries.get(&row).copied().unwrap_or(MISS_TRIES);
             if left > 0 {
-                self.missed.push((id, left - 1));
+                self.missed.push((row, left - 1));
             }
         }
         if !self.missed.is_empty() && self.retry_at.is_none() {
@@ -221,7 +225,7 @@ impl<T: OutboxTable> Marker<T> {
     fn forget_misses(&mut self, marked: &[i64]) {
         if !self.missed.is_empty() {
             let marked: HashSet<&i64> = marked.iter().collect();
-            self.missed.retain(|(id, _)| !marked.contains(id));
+            self.missed.retain(|((id, _), _)| !marked.contains(id));
         }
     }
 }

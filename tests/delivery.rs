@@ -254,9 +254,9 @@ async fn a_same_named_table_in_another_schema_is_not_the_outbox() {
     client
         .batch_execute(
             "INSERT INTO public.outbox_events (id, event_id, event_name, payload) OVERRIDING SYSTEM VALUE \
-             VALUES (1, gen_random_uuid(), '', '{}');
+             VALUES (1000000, gen_random_uuid(), '', '{}');
              INSERT INTO archive.outbox_events (id, event_id, event_name, payload) OVERRIDING SYSTEM VALUE \
-             VALUES (1, gen_random_uuid(), 'archived.event', '{}');",
+             VALUES (1000000, gen_random_uuid(), 'archived.event', '{}');",
         )
         .await
         .unwrap();
@@ -266,7 +266,7 @@ async fn a_same_named_table_in_another_schema_is_not_the_outbox() {
     assert_eq!(ids, good, "only the outbox's rows became tasks");
     let published: Option<std::time::SystemTime> = client
         .query_one(
-            "SELECT published_at FROM public.outbox_events WHERE id = 1",
+            "SELECT published_at FROM public.outbox_events WHERE id = 1000000",
             &[],
         )
         .await

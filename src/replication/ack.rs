@@ -70,7 +70,13 @@ impl AckTracker {
         } else {
             self.open_seq
         };
-        self.commits.push_back((needs_below, end_lsn));
+        // Commits that wait for the same batches become safe together: keep only the newest,
+        // so transactions without rows (empty ones on PostgreSQL 14, bad rows, other tables)
+        // read during a Valkey outage are not each held (at most max_inflight + 2 entries).
+        match self.commits.back_mut() {
+            Some(back) if back.0 == needs_below => back.1 = end_lsn,
+            _ => self.commits.push_back((needs_below, end_lsn)),
+        }
         self.advance();
         Ok(())
     }
@@ -218,6 +224,30 @@ mod tests {
         t.confirmed(a).unwrap();
         assert!(t.confirmed(a).is_err(), "confirmed twice");
         assert_eq!(t.acked(), Lsn(10));
+    }
+
+    /// While a batch is unconfirmed (Valkey down), transactions without rows (PostgreSQL 14
+    /// sends every transaction of the database, empty; all-bad-row transactions; other tables
+    /// of the publication) must not each be held: the stream keeps reading them, so the queue
+    /// of waiting commits would grow with the outage.
+    #[test]
+    fn waiting_commits_stay_bounded_while_a_batch_is_unconfirmed() {
+        let mut t = AckTracker::new(Lsn(0));
+        t.begin().unwrap();
+        t.row().unwrap();
+        t.commit(Lsn(10)).unwrap();
+        let a = t.seal();
+        for i in 0..100_000u64 {
+            t.begin().unwrap();
+            t.commit(Lsn(20 + i)).unwrap();
+        }
+        assert!(
+            t.commits.len() <= 2,
+            "{} commits held for one unconfirmed batch",
+            t.commits.len()
+        );
+        t.confirmed(a).unwrap();
+        assert_eq!(t.acked(), Lsn(20 + 99_999));
     }
 
     #[test]

@@ -244,7 +244,10 @@ impl<'a, S: Sink> Session<'a, S> {
                         rejected.next();
                         continue;
                     }
-                    delivered.extend(task.row_id);
+                    if let (Some(id), Ok(event_id)) = (task.row_id, uuid::Uuid::parse_str(&task.id))
+                    {
+                        delivered.push((id, event_id));
+                    }
                 }
                 for r in &outcome.rejected {
                     let task = &batch.tasks[r.index];

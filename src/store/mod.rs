@@ -27,11 +27,11 @@ pub enum StoreError {
 pub trait OutboxTable: Clone + Send + Sync + 'static {
     type Tx: OutboxTx;
 
-    /// Marks delivered rows published (or deletes them); returns the ids it found. Rows not
-    /// yet visible, or already marked, are not among them.
+    /// Marks delivered rows published (or deletes them), each matched by (id, event_id);
+    /// returns the ids it found. Rows not yet visible, or already marked, are not among them.
     fn mark_published(
         &self,
-        ids: &[i64],
+        rows: &[(i64, uuid::Uuid)],
     ) -> impl Future<Output = Result<Vec<i64>, StoreError>> + Send;
 
     /// Begins a poll round's transaction.

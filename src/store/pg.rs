@@ -34,9 +34,9 @@ impl Drop for PgTx {
 impl OutboxTable for PgOutbox {
     type Tx = PgTx;
 
-    async fn mark_published(&self, ids: &[i64]) -> Result<Vec<i64>, StoreError> {
+    async fn mark_published(&self, rows: &[(i64, uuid::Uuid)]) -> Result<Vec<i64>, StoreError> {
         let client = self.pool.get().await?;
-        Ok(self.store.mark_published_returning(&**client, ids).await?)
+        Ok(self.store.mark_delivered_returning(&**client, rows).await?)
     }
 
     async fn begin(&self) -> Result<PgTx, StoreError> {

@@ -145,7 +145,7 @@ impl Store {
         client.execute(&self.settle_sql(false), &[&ids]).await
     }
 
-    /// Marks delivered rows published, or deletes them with `delete_delivered`.
+    /// Marks claimed rows published, or deletes them with `delete_delivered`.
     fn settle_sql(&self, returning: bool) -> String {
         let ret = if returning { " RETURNING id" } else { "" };
         if self.delete_delivered {
@@ -158,15 +158,33 @@ impl Store {
         }
     }
 
-    /// Marks rows published; returns the ids it marked (rows already marked, or not yet
-    /// visible, are not among them).
-    pub async fn mark_published_returning(
+    /// Marks the rows the stream delivered published (or deletes them), each matched by its id
+    /// AND its event_id: after a failover, the new primary can give an id that the old one
+    /// used for an event it never replicated to another event, which must not be marked. Returns
+    /// the ids it marked (rows already marked, or not yet visible, are not among them).
+    pub async fn mark_delivered_returning(
         &self,
         client: &impl GenericClient,
-        ids: &[i64],
+        rows: &[(i64, uuid::Uuid)],
     ) -> Result<Vec<i64>, tokio_postgres::Error> {
+        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        let event_ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.1).collect();
+        let t = self.table.sql();
+        let sql = if self.delete_delivered {
+            format!(
+                "DELETE FROM {t} o USING unnest($1::bigint[], $2::uuid[]) AS d(id, event_id) \
+                 WHERE o.id = d.id AND o.event_id = d.event_id RETURNING o.id"
+            )
+        } else {
+            format!(
+                "UPDATE {t} o SET published_at = now() \
+                 FROM unnest($1::bigint[], $2::uuid[]) AS d(id, event_id) \
+                 WHERE o.id = d.id AND o.event_id = d.event_id AND o.published_at IS NULL \
+                 RETURNING o.id"
+            )
+        };
         Ok(client
-            .query(&self.settle_sql(true), &[&ids])
+            .query(&sql, &[&ids, &event_ids])
             .await?
             .iter()
             .map(|r| r.get(0))

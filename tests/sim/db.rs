@@ -544,7 +544,9 @@ impl ReplicationSource for SimSource {
                         return Ok(None);
                     }
                 }
-                _ = tokio::time::sleep_until(self.keepalive_at) => {}
+                // A cut link sends no keepalives: without this, a `keepalive_at` already past
+                // makes this loop spin on the paused clock and the whole world stops.
+                _ = tokio::time::sleep_until(self.keepalive_at.max(Instant::now() + Duration::from_millis(1))) => {}
             }
         }
     }
@@ -604,15 +606,19 @@ fn store_err(e: String) -> StoreError {
 impl OutboxTable for SimOutbox {
     type Tx = SimTx;
 
-    async fn mark_published(&self, ids: &[i64]) -> Result<Vec<i64>, StoreError> {
+    async fn mark_published(&self, rows: &[(i64, uuid::Uuid)]) -> Result<Vec<i64>, StoreError> {
         self.db.sql().map_err(store_err)?;
         let now = Instant::now();
         let mut st = self.db.st.lock().unwrap();
         let delete = st.delete_delivered;
         let mut marked = Vec::new();
-        for id in ids {
+        for (id, event_id) in rows {
             let Some(r) = st.rows.get(id) else { continue };
-            if r.settled() || r.visible_at > now || r.locked.is_some() {
+            if r.event_id != event_id.to_string()
+                || r.settled()
+                || r.visible_at > now
+                || r.locked.is_some()
+            {
                 continue;
             }
             self.db.checker.on_mark(r, "marker");
