@@ -227,3 +227,119 @@ impl<S: Sink> Writer<S> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::WriteOutcome;
+    use crate::task::Task;
+    use std::sync::Mutex;
+
+    /// A sink that fails its first `fail` writes and records which batch each write carried
+    /// (by its first task's id), in the order the writes reached it.
+    #[derive(Clone, Default)]
+    struct Scripted {
+        fail: Arc<Mutex<usize>>,
+        seen: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Sink for Scripted {
+        fn write(
+            &self,
+            batch: Arc<Batch>,
+        ) -> impl std::future::Future<Output = Result<WriteOutcome, SinkError>> + Send + 'static
+        {
+            let this = self.clone();
+            async move {
+                this.seen.lock().unwrap().push(batch.tasks[0].id.clone());
+                let mut fail = this.fail.lock().unwrap();
+                if *fail > 0 {
+                    *fail -= 1;
+                    return Err(SinkError::Simulated("refused"));
+                }
+                Ok(WriteOutcome {
+                    enqueued: batch.len(),
+                    ..WriteOutcome::default()
+                })
+            }
+        }
+    }
+
+    fn batch(id: &str) -> Batch {
+        let mut b = Batch::default();
+        b.push(Task {
+            queue: Arc::from("q"),
+            id: id.into(),
+            msg: vec![0; 10],
+            row_id: None,
+        });
+        b
+    }
+
+    fn metrics() -> Arc<Metrics> {
+        Arc::new(Metrics::new(
+            &mut prometheus_client::registry::Registry::default(),
+        ))
+    }
+
+    /// Issue 12: a batch handed over while the writer backs off (SIGTERM's final dispatch did
+    /// this) must wait for the retry, which re-sends everything in order. Writing it at once
+    /// let its confirmation be taken for the older batch's, and the acknowledgement passed a
+    /// batch that was never written.
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_handed_over_during_backoff_waits_for_the_retry() {
+        let sink = Scripted {
+            fail: Arc::new(Mutex::new(1)),
+            ..Scripted::default()
+        };
+        let mut w = Writer::new(sink.clone(), 4, Duration::from_secs(5), metrics());
+        w.send(0, batch("a")).unwrap();
+        assert!(matches!(
+            w.next().await.unwrap(),
+            WriterEvent::Failed { .. }
+        ));
+        w.send(1, batch("b")).unwrap();
+        let mut confirmed = Vec::new();
+        while w.busy() {
+            if let WriterEvent::Confirmed { seq, batch, .. } = w.next().await.unwrap() {
+                confirmed.push((seq, batch.tasks[0].id.clone()));
+            }
+        }
+        assert_eq!(
+            *sink.seen.lock().unwrap(),
+            ["a", "a", "b"],
+            "nothing is written during the backoff; the retry writes in order"
+        );
+        assert_eq!(confirmed, [(0, "a".to_string()), (1, "b".to_string())]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn more_batches_than_the_bound_are_refused() {
+        let mut w = Writer::new(Scripted::default(), 2, Duration::from_secs(5), metrics());
+        w.send(0, batch("a")).unwrap();
+        w.send(1, batch("b")).unwrap();
+        assert!(w.send(2, batch("c")).is_err(), "only 2 batches may be held");
+        assert!(w.send(5, batch("d")).is_err());
+        assert_eq!(w.held().0, 2);
+    }
+
+    /// A sink that answers for fewer tasks than the batch has is a broken invariant.
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_for_too_few_tasks_stops_the_session() {
+        #[derive(Clone)]
+        struct Short;
+        impl Sink for Short {
+            #[allow(clippy::manual_async_fn)]
+            fn write(
+                &self,
+                _: Arc<Batch>,
+            ) -> impl std::future::Future<Output = Result<WriteOutcome, SinkError>> + Send + 'static
+            {
+                async { Ok(WriteOutcome::default()) }
+            }
+        }
+        let mut w = Writer::new(Short, 2, Duration::from_secs(5), metrics());
+        w.send(0, batch("a")).unwrap();
+        assert!(w.next().await.is_err());
+    }
+}
