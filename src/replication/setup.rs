@@ -200,7 +200,6 @@ pub async fn ensure_publication(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotInfo {
     pub confirmed_flush: Lsn,
-    pub active_pid: Option<i32>,
     /// `reserved`, `extended`, `unreserved` or `lost`.
     pub wal_status: Option<String>,
 }
@@ -210,7 +209,7 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
     let row = client
         .query_opt(
             "SELECT slot_type, coalesce(plugin, ''), coalesce(database::text, ''), current_database()::text, \
-                    coalesce(confirmed_flush_lsn::text, '0/0'), active_pid, wal_status \
+                    coalesce(confirmed_flush_lsn::text, '0/0'), wal_status \
              FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot],
         )
@@ -236,8 +235,7 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
     let lsn: String = row.get(4);
     Ok(Some(SlotInfo {
         confirmed_flush: Lsn::parse(&lsn).unwrap_or(Lsn::ZERO),
-        active_pid: row.get(5),
-        wal_status: row.get(6),
+        wal_status: row.get(5),
     }))
 }
 
