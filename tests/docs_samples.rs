@@ -48,12 +48,23 @@ fn doc_files() -> Vec<String> {
 fn blocks(text: &str) -> Vec<(String, usize, String)> {
     let mut out = Vec::new();
     let mut open: Option<(String, usize, String, usize)> = None;
+    // A block right after `<!-- runbook: ... -->` is run by tests/runbook.rs, against a primary
+    // and a standby: its language is marked so the checks here pass it over.
+    let mut runbook = false;
     for (i, line) in text.lines().enumerate() {
         let t = line.trim_start();
         let indent = line.len() - t.len();
+        if open.is_none() && !t.is_empty() && !t.starts_with("```") {
+            runbook = t.starts_with("<!-- runbook:");
+        }
         match (&mut open, t.strip_prefix("```")) {
             (None, Some(lang)) => {
-                open = Some((lang.trim().to_owned(), i + 2, String::new(), indent))
+                let lang = if runbook {
+                    format!("runbook:{}", lang.trim())
+                } else {
+                    lang.trim().to_owned()
+                };
+                open = Some((lang, i + 2, String::new(), indent))
             }
             (Some(_), Some("")) => {
                 let (lang, at, body, _) = open.take().unwrap();
@@ -312,6 +323,24 @@ fn check_command(line: &str, ci: &str) -> Result<(), String> {
             }
         }
         Some(_) if ci.lines().any(|l| l.trim() == line) => Ok(()),
+        // A build with a cargo feature: the feature must exist.
+        Some("cargo") if cmd.get(1).map(String::as_str) == Some("build") => {
+            let manifest = read("Cargo.toml");
+            match cmd.iter().position(|a| a == "--features") {
+                Some(i) => {
+                    let feature = cmd.get(i + 1).ok_or("--features without a value")?;
+                    let declared = format!("\n{feature} = ");
+                    if manifest.contains(&declared) {
+                        Ok(())
+                    } else {
+                        Err(format!("feature {feature} is not in Cargo.toml"))
+                    }
+                }
+                None => Ok(()),
+            }
+        }
+        // Copying a file the line before built.
+        Some("cp") => Ok(()),
         Some(other) => Err(format!(
             "`{other}`: not a command this test knows how to check"
         )),
