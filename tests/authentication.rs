@@ -28,6 +28,7 @@ async fn scram_role_and_a_valkey_acl_user_limited_to_the_relays_commands() {
         .arg("+evalsha")
         .arg("+script|load")
         .arg("+exists")
+        .arg("+type")
         .arg("+hset")
         .arg("+lpush")
         .arg("+sadd")
