@@ -12,17 +12,20 @@ WORKDIR /src
 
 # Dependencies first, in their own layer: build them against a dummy crate so
 # that changing src/ does not rebuild the whole dependency tree. Every target
-# Cargo.toml names must exist for cargo to read it: the library, the binary and
-# each [[bench]] get an empty stand-in. scripts/check-dockerfile.sh replays
-# these steps in CI (no Docker engine needed).
+# Cargo.toml names must exist for cargo to read it: the library, the binary,
+# each [[bench]] and each [[example]] get an empty stand-in.
+# scripts/check-dockerfile.sh replays these steps in CI (no Docker engine needed).
 COPY Cargo.toml Cargo.lock ./
 # The vendored pgwire-replication ([patch.crates-io] in Cargo.toml).
 COPY vendor ./vendor
-RUN mkdir -p src benches \
+RUN mkdir -p src benches examples \
     && echo 'fn main() {}' > src/main.rs \
     && touch src/lib.rs \
     && for bench in $(sed -n '/^\[\[bench\]\]/,/^name/s/^name = "\(.*\)"$/\1/p' Cargo.toml); do \
         echo 'fn main() {}' > "benches/$bench.rs"; \
+    done \
+    && for example in $(sed -n '/^\[\[example\]\]/,/^name/s/^name = "\(.*\)"$/\1/p' Cargo.toml); do \
+        echo 'fn main() {}' > "examples/$example.rs"; \
     done \
     && cargo build --release --locked \
     && rm -rf src \

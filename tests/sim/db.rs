@@ -608,17 +608,25 @@ impl OutboxTable for SimOutbox {
 
     async fn mark_published(&self, rows: &[(i64, uuid::Uuid)]) -> Result<Vec<i64>, StoreError> {
         self.db.sql().map_err(store_err)?;
+        // Postgres's UPDATE waits for a row lock a poll round holds, then re-checks the row.
+        loop {
+            let held = {
+                let st = self.db.st.lock().unwrap();
+                rows.iter()
+                    .any(|(id, _)| st.rows.get(id).is_some_and(|r| r.locked.is_some()))
+            };
+            if !held {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let now = Instant::now();
         let mut st = self.db.st.lock().unwrap();
         let delete = st.delete_delivered;
         let mut marked = Vec::new();
         for (id, event_id) in rows {
             let Some(r) = st.rows.get(id) else { continue };
-            if r.event_id != event_id.to_string()
-                || r.settled()
-                || r.visible_at > now
-                || r.locked.is_some()
-            {
+            if r.event_id != event_id.to_string() || r.settled() || r.visible_at > now {
                 continue;
             }
             self.db.checker.on_mark(r, "marker");

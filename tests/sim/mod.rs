@@ -168,11 +168,10 @@ impl World {
             st.can_see_replies = rng.random_bool(0.8);
         }
         // Each node's stream holds at most max_inflight batches (each within the byte bound
-        // plus one task), and its poller one chunk: what every write together may hold.
+        // plus one task), and its poller one chunk: what one process's writes may hold.
         let per_task = 700;
         let per_batch = knobs.batch_bytes.min(knobs.batch_rows * per_task) + per_task;
-        valkey.st.lock().unwrap().bound =
-            knobs.nodes * (knobs.max_inflight * per_batch + 10 * per_task) * 2;
+        valkey.st.lock().unwrap().bound = (knobs.max_inflight * per_batch + 10 * per_task) * 2;
         let routes = ["a.*=qa", "b.*=qb", "c.*=qc"]
             .iter()
             .map(|r| QueueRoute::parse(r).expect("route"))
@@ -310,6 +309,7 @@ impl World {
                     .violate(format!("node {idx}: a background task did not stop")),
             }
         }
+        self.valkey.process_exited(idx);
     }
 
     /// A crash: every task dropped where it stands.
@@ -321,6 +321,7 @@ impl World {
         for t in node.tasks.drain(..) {
             t.abort();
         }
+        self.valkey.process_exited(idx);
     }
 
     fn running(&self, idx: usize) -> bool {

@@ -19,6 +19,15 @@ pub enum Writer {
     Poller(usize),
 }
 
+impl Writer {
+    /// The relay process (simulated node) that writes.
+    pub fn node(self) -> usize {
+        match self {
+            Writer::Stream(n) | Writer::Poller(n) => n,
+        }
+    }
+}
+
 /// A first enqueue: the task came to exist.
 #[derive(Debug, Clone)]
 pub struct Created {
@@ -52,19 +61,24 @@ pub struct State {
     pub rejecting: BTreeMap<String, Instant>,
     /// The connection generation: a write issued on an older one fails (its connection died).
     pub epoch: u64,
-    /// Bytes of writes issued and not answered, by write number.
-    pub outstanding: BTreeMap<u64, usize>,
-    /// Bytes of abandoned writes still queued on a connection that was not reset.
-    pub stuck: usize,
+    /// Writes issued and not answered, by write number: (node, bytes).
+    pub outstanding: BTreeMap<u64, (usize, usize)>,
+    /// Per node, bytes of abandoned writes still queued on a connection it did not reset.
+    pub stuck: BTreeMap<usize, usize>,
+    /// Per node, its process's incarnation: a process that exited holds nothing any more.
+    pub lives: BTreeMap<usize, u64>,
     pub next_write: u64,
-    /// The most bytes ever held by writes (outstanding + stuck).
+    /// The most bytes one process's writes ever held (outstanding + stuck).
     pub peak_bytes: usize,
     /// Write latency bounds.
     pub latency: (Duration, Duration),
     /// When each client's last write reaches the server: one connection's commands are
     /// applied in the order they were sent.
     pub lane: BTreeMap<String, Instant>,
-    /// What writes may hold at most (outstanding + stuck), and the violations seen.
+    /// When each client's last held write is released (a hang holds the commands behind it).
+    pub released: BTreeMap<String, Instant>,
+    /// What one process's writes may hold at most (outstanding + stuck), and the violations
+    /// seen.
     pub bound: usize,
     pub violations: Vec<String>,
 }
@@ -81,6 +95,8 @@ pub struct SimValkey {
 pub struct SimSink {
     pub server: SimValkey,
     pub by: Writer,
+    /// The incarnation of the process it belongs to.
+    life: u64,
 }
 
 impl SimValkey {
@@ -98,10 +114,20 @@ impl SimValkey {
     }
 
     pub fn sink(&self, by: Writer) -> SimSink {
+        let life = self.st.lock().unwrap().life(by.node());
         SimSink {
             server: self.clone(),
             by,
+            life,
         }
+    }
+
+    /// Node `node`'s process exited (SIGTERM or crash): the memory its writes held is gone.
+    pub fn process_exited(&self, node: usize) {
+        let mut st = self.st.lock().unwrap();
+        *st.lives.entry(node).or_default() += 1;
+        st.stuck.remove(&node);
+        st.outstanding.retain(|_, (n, _)| *n != node);
     }
 
     pub fn exists(&self, queue: &str, id: &str) -> bool {
@@ -132,15 +158,37 @@ impl SimValkey {
 struct InFlight {
     server: SimValkey,
     write: u64,
+    node: usize,
+    life: u64,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         let mut st = self.server.st.lock().unwrap();
-        if let Some(bytes) = st.outstanding.remove(&self.write) {
-            // Dropped before its answer: the bytes stay on the connection until a reset.
-            st.stuck += bytes;
+        if let Some((_, bytes)) = st.outstanding.remove(&self.write) {
+            // Dropped before its answer: the bytes stay on the connection until a reset (or
+            // until the process exits).
+            if st.life(self.node) == self.life {
+                *st.stuck.entry(self.node).or_default() += bytes;
+            }
         }
+    }
+}
+
+impl State {
+    fn life(&self, node: usize) -> u64 {
+        self.lives.get(&node).copied().unwrap_or(0)
+    }
+
+    /// What node `node`'s writes hold: (outstanding, stuck).
+    fn held(&self, node: usize) -> (usize, usize) {
+        let outstanding = self
+            .outstanding
+            .values()
+            .filter(|(n, _)| *n == node)
+            .map(|(_, b)| b)
+            .sum();
+        (outstanding, self.stuck.get(&node).copied().unwrap_or(0))
     }
 }
 
@@ -151,6 +199,7 @@ impl Sink for SimSink {
     ) -> impl std::future::Future<Output = Result<WriteOutcome, SinkError>> + Send + 'static {
         let server = self.server.clone();
         let by = self.by;
+        let life = self.life;
         async move {
             let latency = server.latency();
             let (write, epoch, arrives) = {
@@ -165,28 +214,53 @@ impl Sink for SimSink {
                 let write = st.next_write;
                 st.next_write += 1;
                 let bytes = batch.bytes + 64 * batch.len();
-                st.outstanding.insert(write, bytes);
-                let held = st.outstanding.values().sum::<usize>() + st.stuck;
+                st.outstanding.insert(write, (by.node(), bytes));
+                let (outstanding, stuck) = st.held(by.node());
+                let held = outstanding + stuck;
                 st.peak_bytes = st.peak_bytes.max(held);
                 if held > st.bound {
                     let msg = format!(
-                        "memory: writes hold {held} bytes (outstanding {}, stuck on a connection \
-                         that was never reset {}), over the bound {}",
-                        held - st.stuck,
-                        st.stuck,
+                        "memory: node {}'s writes hold {held} bytes (outstanding {outstanding}, \
+                         stuck on a connection that was never reset {stuck}), over the bound {}",
+                        by.node(),
                         st.bound
                     );
                     st.violations.push(msg);
                 }
                 (write, st.epoch, arrives)
             };
+            watch(&batch, by, &|| {
+                format!("issued (write {write}, epoch {epoch})")
+            });
             let guard = InFlight {
                 server: server.clone(),
                 write,
+                node: by.node(),
+                life,
             };
             tokio::time::sleep_until(arrives).await;
-            let hang = server.st.lock().unwrap().hang_until;
-            if let Some(until) = hang.filter(|t| *t > Instant::now()) {
+            // A hanging server holds the write; the connection's later commands wait behind
+            // it (each released after the one before), even when the server recovers meanwhile.
+            let release = {
+                let mut st = server.st.lock().unwrap();
+                let now = Instant::now();
+                let lane = format!("{by:?}");
+                let behind = st
+                    .released
+                    .get(&lane)
+                    .filter(|t| **t >= now)
+                    .map(|t| *t + Duration::from_micros(1));
+                let hang = st.hang_until.filter(|t| *t > now);
+                let release = match (hang, behind) {
+                    (Some(h), Some(b)) => Some(h.max(b)),
+                    (h, b) => h.or(b),
+                };
+                if let Some(r) = release {
+                    st.released.insert(lane, r);
+                }
+                release
+            };
+            if let Some(until) = release {
                 tokio::time::sleep_until(until).await;
             }
             let result = apply(&server, &batch, by, epoch);
@@ -198,12 +272,49 @@ impl Sink for SimSink {
 
     fn reset(&self) {
         let mut st = self.server.st.lock().unwrap();
-        st.stuck = 0;
+        st.stuck.remove(&self.by.node());
         st.epoch += 1;
     }
 }
 
+/// Triage: `OUTBOX_SIM_WATCH=<event id suffix>[,...]` prints every write that carries one of
+/// those tasks, and what became of it.
+fn watch(batch: &Batch, by: Writer, what: &dyn Fn() -> String) {
+    static WATCH: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let watched = WATCH.get_or_init(|| {
+        std::env::var("OUTBOX_SIM_WATCH")
+            .map(|v| v.split(',').map(str::to_owned).collect())
+            .unwrap_or_default()
+    });
+    if watched.is_empty() {
+        return;
+    }
+    for t in batch.tasks.iter() {
+        if watched.iter().any(|w| t.id.ends_with(w.as_str())) {
+            eprintln!(
+                "watch {:?}: {} written by {by:?}: {}",
+                Instant::now(),
+                t.id,
+                what()
+            );
+        }
+    }
+}
+
 fn apply(
+    server: &SimValkey,
+    batch: &Batch,
+    by: Writer,
+    epoch: u64,
+) -> Result<WriteOutcome, SinkError> {
+    let result = apply_inner(server, batch, by, epoch);
+    watch(batch, by, &|| {
+        format!("applied (epoch {epoch}): {result:?}")
+    });
+    result
+}
+
+fn apply_inner(
     server: &SimValkey,
     batch: &Batch,
     by: Writer,
