@@ -114,10 +114,35 @@ pub enum Refusal {
     Reject,
 }
 
-/// Classifies a server's error reply to one queue's script call.
+/// Conditions that pass, which a generic `ERR` reply can carry: Redis 6 wraps an error raised
+/// inside a script as `ERR Error running script ... -OOM command not allowed ...`, and a full
+/// server answers `ERR max number of clients reached`.
+const TRANSIENT_INSIDE_ERR: [&str; 9] = [
+    "OOM",
+    "BUSY",
+    "LOADING",
+    "READONLY",
+    "MASTERDOWN",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "NOREPLICAS",
+    "max number of clients",
+];
+
+/// Classifies a server's error reply to one queue's script call. When in doubt it retries: a
+/// retry holds the acknowledgement and loses nothing, while a wrong refusal sends the rows to
+/// the poller, which counts attempts against them.
 pub fn refusal(e: &redis::RedisError) -> Refusal {
     match e.code() {
-        Some("WRONGTYPE" | "CROSSSLOT" | "NOPERM" | "ERR" | "EXECABORT") => Refusal::Reject,
+        Some("ERR") => {
+            let detail = e.detail().unwrap_or_default();
+            if TRANSIENT_INSIDE_ERR.iter().any(|t| detail.contains(t)) {
+                Refusal::Retry
+            } else {
+                Refusal::Reject
+            }
+        }
+        Some("WRONGTYPE" | "CROSSSLOT" | "NOPERM" | "EXECABORT") => Refusal::Reject,
         _ => Refusal::Retry,
     }
 }
@@ -344,5 +369,49 @@ impl Sink for ValkeySink {
 
     fn reset(&self) {
         self.conn.reset();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{refusal, Refusal};
+
+    /// The error a server's reply `resp` (one RESP error line) carries.
+    fn reply(resp: &str) -> redis::RedisError {
+        redis::parse_redis_value(format!("{resp}\r\n").as_bytes())
+            .expect("a RESP error")
+            .extract_error()
+            .expect_err("an error reply")
+    }
+
+    #[test]
+    fn refusals_that_need_someone_to_change_something_go_to_the_poller() {
+        for r in [
+            "-WRONGTYPE asynq:{q}:pending holds a string, not asynq's pending list",
+            "-CROSSSLOT Keys in request don't hash to the same slot",
+            "-NOPERM User relay has no permissions to access the 'asynq:{q}:pending' key",
+            "-ERR Error running script (call to f_1): @user_script:3: Script attempted to access nonexistent global variable",
+            "-EXECABORT Transaction discarded because of previous errors.",
+        ] {
+            assert_eq!(refusal(&reply(r)), Refusal::Reject, "{r}");
+        }
+    }
+
+    #[test]
+    fn conditions_that_pass_are_retried_even_wrapped_in_err() {
+        for r in [
+            "-OOM command not allowed when used memory > 'maxmemory'.",
+            "-ERR Error running script (call to f_1): @user_script:9: @user_script: 9: -OOM command not allowed when used memory > 'maxmemory'.",
+            "-ERR max number of clients reached",
+            "-BUSY Redis is busy running a script.",
+            "-LOADING Redis is loading the dataset in memory",
+            "-READONLY You can't write against a read only replica.",
+            "-TRYAGAIN Multiple keys request during rehashing of slot",
+            "-CLUSTERDOWN The cluster is down",
+            "-MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+            "-NOSCRIPT No matching script. Please use EVAL.",
+        ] {
+            assert_eq!(refusal(&reply(r)), Refusal::Retry, "{r}");
+        }
     }
 }
