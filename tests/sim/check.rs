@@ -16,6 +16,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
 
+/// A task the stream created: (its place among all creations, its row's id, its event id).
+type FirstEnqueue<'a> = (usize, i64, &'a str);
+
 #[derive(Default)]
 struct Inner {
     violations: Vec<String>,
@@ -138,7 +141,7 @@ impl Checker {
         // enqueued when the poller (or a session still finishing) gets to them, after later
         // rows of their queue (docs/task-format.md, "Order").
         let recreated = self.inner.lock().unwrap().recreated.clone();
-        let mut by_queue: BTreeMap<(&str, usize), Vec<(usize, i64, &str)>> = BTreeMap::new();
+        let mut by_queue: BTreeMap<(&str, usize), Vec<FirstEnqueue<'_>>> = BTreeMap::new();
         for r in st.rows.values() {
             let task = created.get(&(r.queue.as_str(), r.event_id.as_str()));
             let refused = vk.rejected.contains(&r.event_id);
