@@ -6,6 +6,8 @@
 # Needs a nightly toolchain (`rustup toolchain list`) and cargo-fuzz; installs cargo-fuzz from
 # crates.io (`cargo install --locked cargo-fuzz`) when it is missing. Without a nightly toolchain
 # it says so and exits 0: the fuzz targets need -Z sanitizer flags that stable rustc refuses.
+# The targets' properties live in fuzz/targets.rs; tests/fuzz_targets.rs runs them on generated
+# and mutated inputs with proptest on the stable toolchain, in every test run (and in CI).
 # Each target runs for SECONDS_PER_TARGET with libFuzzer's -max_total_time; a crash (a panic or
 # a failed assertion in a target) fails the script and leaves the input in
 # fuzz/artifacts/<target>/. The corpus grows in fuzz/corpus/<target>/ (not committed).
