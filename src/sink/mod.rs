@@ -2,6 +2,7 @@
 //! [`valkey::ValkeySink`] is the real one (asynq's storage format). The deterministic simulation
 //! (`crate::sim`) implements it in memory, with faults.
 
+pub mod queue_turns;
 pub mod valkey;
 
 use crate::task::Task;

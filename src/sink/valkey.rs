@@ -10,6 +10,7 @@
 //! (sent together, each to the shard of its queue's slot), and `SADD asynq:queues`, whose key
 //! has a slot of its own, is sent beside them once per queue (as asynq's Go client does).
 
+use super::queue_turns::{QueueTurns, Ticket};
 use super::{Batch, Rejected, Sink, SinkError, WriteOutcome};
 use crate::task::Task;
 use crate::valkey::{ValkeyConnection, ValkeyTarget};
@@ -80,6 +81,9 @@ pub struct ValkeySink {
     /// slot, so it is written apart from the tasks: once per queue, and again after any failed
     /// write (a failover may have lost it).
     registered: Arc<Mutex<HashSet<Arc<str>>>>,
+    /// Cluster only: each queue's writes reach its shard one at a time, in the writer's order
+    /// (see [`QueueTurns`]).
+    turns: QueueTurns,
 }
 
 impl std::fmt::Debug for ValkeySink {
@@ -195,6 +199,7 @@ impl ValkeySink {
             conn,
             script: Arc::new(redis::Script::new(ENQUEUE_SCRIPT)),
             registered: Arc::default(),
+            turns: QueueTurns::default(),
         };
         sink.load_script().await?;
         Ok(sink)
@@ -250,7 +255,11 @@ impl ValkeySink {
         calls
     }
 
-    async fn write_once(&self, batch: &Batch) -> Result<WriteOutcome, redis::RedisError> {
+    async fn write_once(
+        &self,
+        batch: &Batch,
+        turns: &[Ticket],
+    ) -> Result<WriteOutcome, redis::RedisError> {
         let now_ns = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos())
@@ -305,9 +314,15 @@ impl ValkeySink {
             calls.push(self.add_scripts(&mut pipe, batch, q, tasks, &now_ns));
             pipes.push(pipe);
         }
-        let writes = futures::future::join_all(pipes.iter().map(|pipe| {
+        let writes = futures::future::join_all(pipes.iter().zip(&groups).map(|(pipe, (q, _))| {
             let mut conn = self.conn.clone();
-            async move { pipe.query_async::<Vec<Value>>(&mut conn).await }
+            let ticket = turns.iter().find(|t| t.queue() == *q);
+            async move {
+                if let Some(ticket) = ticket {
+                    ticket.turn().await;
+                }
+                pipe.query_async::<Vec<Value>>(&mut conn).await
+            }
         }));
         let (registered, written) = futures::future::join(register, writes).await;
         // Every queue's outcome is needed: a NOSCRIPT anywhere must be seen as such.
@@ -340,11 +355,21 @@ impl Sink for ValkeySink {
         batch: Arc<Batch>,
     ) -> impl std::future::Future<Output = Result<WriteOutcome, SinkError>> + Send + 'static {
         let this = self.clone();
+        // Taken now, in the order the writer issues its writes, and held until this write ends
+        // (its NOSCRIPT retry included) or is dropped.
+        let turns: Vec<Ticket> = if self.conn.is_cluster() {
+            by_queue(&batch.tasks)
+                .iter()
+                .map(|(q, _)| self.turns.ticket(q))
+                .collect()
+        } else {
+            Vec::new()
+        };
         async move {
             if batch.is_empty() {
                 return Ok(WriteOutcome::default());
             }
-            let result = match this.write_once(&batch).await {
+            let result = match this.write_once(&batch, &turns).await {
                 // A restarted server, or a replica promoted by a failover, may not have the
                 // script: load it and try once more.
                 Err(e) if e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
@@ -353,7 +378,10 @@ impl Sink for ValkeySink {
                          loading it again"
                     );
                     match this.load_script().await {
-                        Ok(()) => this.write_once(&batch).await.map_err(SinkError::Valkey),
+                        Ok(()) => this
+                            .write_once(&batch, &turns)
+                            .await
+                            .map_err(SinkError::Valkey),
                         Err(e) => Err(e),
                     }
                 }
