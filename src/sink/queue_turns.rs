@@ -2,9 +2,9 @@
 //! in the order the writer issued them.
 //!
 //! On a single server every write goes down one connection, which the server reads in order, so
-//! batches can be pipelined. A cluster client gives no such promise across requests: it may hold
-//! one while it fetches a node's connection, or send it again after `MOVED`, `TRYAGAIN` or a lost
-//! link, while a later request to the same node goes ahead. Two batches of the same queue in
+//! batches can be pipelined. A cluster client gives no such promise across requests: redis
+//! 1.8's cluster connection runs them as a set of futures (`FuturesUnordered`), each getting its
+//! node's connection before it sends, so a later request to the same node can go first. Two batches of the same queue in
 //! flight could then land in the wrong order. So each write takes a ticket per queue when it is
 //! issued (synchronously, in the writer's order), sends a queue's pipeline only when that
 //! queue's earlier tickets are done, and gives its tickets back when it ends or is dropped (a
