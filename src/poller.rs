@@ -165,21 +165,26 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
             self.metrics
                 .poller_delivered
                 .inc_by(outcome.delivered() as u64);
-            let mut rejected = outcome.rejected.iter().peekable();
-            for (i, (row, _)) in chunk.iter().enumerate() {
-                match rejected.next_if(|r| r.index == i) {
+            let mut reasons: Vec<Option<&str>> = vec![None; chunk.len()];
+            for r in &outcome.rejected {
+                if let Some(slot) = reasons.get_mut(r.index) {
+                    *slot = Some(&r.reason);
+                }
+            }
+            for ((row, _), reason) in chunk.iter().zip(reasons) {
+                match reason {
                     None => delivered.push(row.id),
-                    Some(r) => {
+                    Some(reason) => {
                         out.failed_rows += 1;
                         let dead = tx
-                            .mark_failed(row.id, &r.reason, s.attempt_backoff, s.max_attempts)
+                            .mark_failed(row.id, reason, s.attempt_backoff, s.max_attempts)
                             .await?;
                         self.metrics.rows_rejected.inc();
                         tracing::warn!(
                             event_id = %row.event_id(),
                             attempt = row.attempts + 1,
                             dead_letter = dead,
-                            reason = %r.reason,
+                            reason = %reason,
                             "valkey refused the task"
                         );
                     }

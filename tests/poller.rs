@@ -486,3 +486,60 @@ async fn periodic_cleanup_inside_run() {
     assert_eq!(left, [""], "the unpublished (bad) row stays");
     relay.stop().await;
 }
+
+/// A row without `created_at` (a table without the kit's NOT NULL) is a bad row the stream
+/// moves past; the recovery poller must still claim it, record the attempt and dead-letter it,
+/// not leave it unpublished for ever (`created_at < now() - grace` is never true for NULL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_without_created_at_becomes_a_dead_letter_in_stream_mode() {
+    let (db, redis) = database_and_redis("null_created").await;
+    let c = db.client().await;
+    c.batch_execute("ALTER TABLE outbox_events ALTER COLUMN created_at DROP NOT NULL")
+        .await
+        .unwrap();
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &["--recovery-grace", "1s", "--poll-interval", "200ms"],
+    ))
+    .await;
+    c.batch_execute(
+        "INSERT INTO outbox_events (event_id, event_name, payload, created_at) VALUES
+            ('00000000-0000-4000-8000-0000000000a1', 'ok', '{}', now()),
+            ('00000000-0000-4000-8000-0000000000a2', 'no.time', '{}', NULL);",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        wait_pending(&redis, "default", 1).await,
+        ["00000000-0000-4000-8000-0000000000a1"]
+    );
+    let attempts: i32 = eventually("the poller attempts the row", || async {
+        let attempts: i32 = c
+            .query_one(
+                "SELECT attempts FROM outbox_events \
+                 WHERE event_id = '00000000-0000-4000-8000-0000000000a2'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (attempts > 0).then_some(attempts)
+    })
+    .await;
+    assert!(attempts >= 1);
+    let published: bool = c
+        .query_one(
+            "SELECT published_at IS NOT NULL FROM outbox_events \
+             WHERE event_id = '00000000-0000-4000-8000-0000000000a2'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        !published,
+        "a row that became no task is never marked published"
+    );
+    relay.stop().await;
+}

@@ -237,11 +237,10 @@ impl<'a, S: Sink> Session<'a, S> {
                 self.ack.confirmed(seq)?;
                 self.report(source);
                 observe_latency(&m.delivery_latency, &batch.commit_times);
-                let mut rejected = outcome.rejected.iter().map(|r| r.index).peekable();
+                let refused = outcome.refused(batch.len());
                 let mut delivered = Vec::with_capacity(batch.len());
-                for (i, task) in batch.tasks.iter().enumerate() {
-                    if rejected.peek() == Some(&i) {
-                        rejected.next();
+                for (task, refused) in batch.tasks.iter().zip(refused) {
+                    if refused {
                         continue;
                     }
                     if let (Some(id), Ok(event_id)) = (task.row_id, uuid::Uuid::parse_str(&task.id))

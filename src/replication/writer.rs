@@ -199,12 +199,23 @@ impl<S: Sink> Writer<S> {
         })?;
         let (_, batch) = self.unconfirmed.pop_front().expect("checked above");
         let answered = outcome.delivered() + outcome.rejected.len();
+        ensure(answered == batch.len(), || {
+            format!(
+                "the sink answered for {answered} tasks of batch {seq}, which has {}",
+                batch.len()
+            )
+        })?;
+        // Each refused task named once, within the batch (in any order): the marker leaves
+        // exactly these rows unpublished.
+        let refused = outcome.refused(batch.len());
         ensure(
-            answered == batch.len() && outcome.rejected.iter().all(|r| r.index < batch.len()),
+            refused.iter().filter(|r| **r).count() == outcome.rejected.len(),
             || {
                 format!(
-                    "the sink answered for {answered} tasks of batch {seq}, which has {}",
-                    batch.len()
+                    "the sink's refusals for batch {seq} name tasks twice or outside its {} \
+                     tasks: {:?}",
+                    batch.len(),
+                    outcome.rejected.iter().map(|r| r.index).collect::<Vec<_>>()
                 )
             },
         )?;

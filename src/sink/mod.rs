@@ -63,7 +63,8 @@ pub struct WriteOutcome {
     pub enqueued: usize,
     /// Tasks whose TaskID already existed: already delivered, so counted as delivered.
     pub duplicates: usize,
-    /// Tasks refused for good (see [`Rejected`]), in batch order.
+    /// Tasks refused for good (see [`Rejected`]), in any order: a sink lists them as its
+    /// replies come (queue by queue). Read them through [`refused`](Self::refused).
     pub rejected: Vec<Rejected>,
 }
 
@@ -71,6 +72,18 @@ impl WriteOutcome {
     /// Tasks that now exist in the destination.
     pub fn delivered(&self) -> usize {
         self.enqueued + self.duplicates
+    }
+
+    /// For a batch of `len` tasks, which were refused: `refused[i]` for task `i`. An index out
+    /// of range is ignored here; the writer refuses such an answer (an invariant).
+    pub fn refused(&self, len: usize) -> Vec<bool> {
+        let mut refused = vec![false; len];
+        for r in &self.rejected {
+            if let Some(slot) = refused.get_mut(r.index) {
+                *slot = true;
+            }
+        }
+        refused
     }
 }
 

@@ -119,10 +119,12 @@ pub enum Refusal {
 }
 
 /// Conditions that pass, which a generic `ERR` reply can carry: Redis 6 wraps an error raised
-/// inside a script as `ERR Error running script ... -OOM command not allowed ...`, and a full
-/// server answers `ERR max number of clients reached`.
-const TRANSIENT_INSIDE_ERR: [&str; 9] = [
+/// inside a script as `ERR Error running script ... -OOM command not allowed ...` (or `-MISCONF`
+/// while its snapshots or AOF cannot be written), and a full server answers `ERR max number of
+/// clients reached`.
+const TRANSIENT_INSIDE_ERR: [&str; 10] = [
     "OOM",
+    "MISCONF",
     "BUSY",
     "LOADING",
     "READONLY",
@@ -284,6 +286,7 @@ impl ValkeySink {
                 }
                 settle(c, replies.by_ref().take(c.chunks.len()), &mut out)?;
             }
+            out.rejected.sort_by_key(|r| r.index);
             return Ok(out);
         }
         // A cluster: one pipeline per queue (all its keys share the `{queue}` slot), sent
@@ -345,6 +348,8 @@ impl ValkeySink {
             .lock()
             .unwrap()
             .extend(new.into_iter().map(Arc::from));
+        // Settled queue by queue; listed in batch order for logs (readers do not rely on it).
+        out.rejected.sort_by_key(|r| r.index);
         Ok(out)
     }
 }
@@ -431,6 +436,8 @@ mod tests {
             "-OOM command not allowed when used memory > 'maxmemory'.",
             "-ERR Error running script (call to f_1): @user_script:9: @user_script: 9: -OOM command not allowed when used memory > 'maxmemory'.",
             "-ERR max number of clients reached",
+            "-MISCONF Errors writing to the AOF file: No space left on device",
+            "-ERR Error running script (call to f_1): @user_script:9: @user_script: 9: -MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.",
             "-BUSY Redis is busy running a script.",
             "-LOADING Redis is loading the dataset in memory",
             "-READONLY You can't write against a read only replica.",

@@ -101,7 +101,11 @@ impl Store {
         };
         Self {
             claim: claim(""),
-            claim_recovery: claim(" AND created_at < now() - make_interval(secs => $2)"),
+            // A row without created_at (a table without the kit's NOT NULL) is not the
+            // stream's to wait for: claimed at once, it becomes a dead letter as a bad row.
+            claim_recovery: claim(
+                " AND (created_at IS NULL OR created_at < now() - make_interval(secs => $2))",
+            ),
             table,
             delete_delivered: false,
         }

@@ -389,7 +389,8 @@ fn apply_inner(
             }
         }
     }
-    out.rejected.sort_by_key(|r| r.index);
+    // Refusals are listed queue by queue, as a sink meets them, not in batch order: the relay
+    // must not rely on their order (sorting here hid a bug that marked refused rows published).
     if lose_reply {
         st.epoch += 1;
         return Err(SinkError::Simulated("reply lost (the write applied)"));

@@ -1,0 +1,208 @@
+//! Two queues refused in one write, their tasks interleaved (a batch [qa, qb, qa] with both
+//! queues' pending lists holding strings, so every script call answers WRONGTYPE).
+//!
+//! Found by review: the sink listed refusals queue by queue ([0, 2, 1]) while the stream and the
+//! poller merged them with the batch as if in batch order, so the refused qb task counted as
+//! delivered and its row was marked published with no task: the stream had acknowledged past it
+//! and the poller never claims a published row, so the event was lost. Now the sink lists them
+//! in batch order, and the stream, the poller and the writer's invariant read them by index,
+//! in any order (the simulation's Valkey lists them queue by queue, as a sink meets them).
+
+mod common;
+
+use common::*;
+use outbox_relay::metrics::Metrics;
+use outbox_relay::poller::{Poller, PollerSettings};
+use outbox_relay::sink::valkey::ValkeySink;
+use outbox_relay::sink::{Batch, Sink};
+use outbox_relay::store::{ClaimedRow, OutboxTable, OutboxTx, StoreError};
+use outbox_relay::task::{PayloadFormat, QueueRoute, TaskSettings};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+fn task_settings() -> TaskSettings {
+    TaskSettings {
+        type_prefix: "event:".into(),
+        payload_format: PayloadFormat::Envelope,
+        default_queue: Arc::from("default"),
+        routes: ["a.*=qa", "b.*=qb"]
+            .iter()
+            .map(|r| QueueRoute::parse(r).unwrap())
+            .collect(),
+        max_retry: 25,
+        timeout_secs: 1800,
+        retention_secs: 86_400,
+        max_payload_bytes: 1 << 20,
+    }
+}
+
+/// Rows 1..=3: a.x (qa), b.x (qb), a.x (qa).
+fn rows() -> Vec<ClaimedRow> {
+    ["a.x", "b.x", "a.x"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| ClaimedRow {
+            id: i as i64 + 1,
+            event_id: Some(format!("00000000-0000-4000-8000-00000000000{}", i + 1)),
+            event_name: Some((*name).to_owned()),
+            payload: Some("{\"n\":1}".into()),
+            metadata: Some("{}".into()),
+            created_at: Some("2026-01-01 00:00:00+00".into()),
+            attempts: 0,
+        })
+        .collect()
+}
+
+/// Both queues' pending lists hold strings: every script call of either queue answers
+/// WRONGTYPE, which the sink classifies as a refusal for good (`Refusal::Reject`).
+async fn redis_with_two_broken_queues() -> (Redis, ValkeySink) {
+    let redis = Redis::start();
+    let mut admin = redis.conn().await;
+    for q in ["qa", "qb"] {
+        let _: () = redis::cmd("SET")
+            .arg(format!("asynq:{{{q}}}:pending"))
+            .arg("not a list")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+    }
+    let target = outbox_relay::valkey::ValkeyTarget::new(
+        &redis.url,
+        &outbox_relay::valkey::Topology::Single,
+        Duration::from_secs(5),
+        None,
+    )
+    .unwrap();
+    let sink = ValkeySink::connect(target).await.unwrap();
+    (redis, sink)
+}
+
+/// The real sink answers for every task, refusals in batch order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sink_lists_the_refusals_of_two_queues_in_batch_order() {
+    let (_redis, sink) = redis_with_two_broken_queues().await;
+    let tasks = task_settings();
+    let mut batch = Batch::default();
+    let mut scratch = Vec::new();
+    for r in rows() {
+        batch.push(tasks.build(&r.text().unwrap(), &mut scratch).unwrap());
+    }
+    let out = sink.write(Arc::new(batch)).await.unwrap();
+    let idx: Vec<usize> = out.rejected.iter().map(|r| r.index).collect();
+    assert_eq!(out.delivered(), 0, "nothing was written");
+    assert_eq!(
+        idx,
+        vec![0, 1, 2],
+        "every task refused, listed in batch order"
+    );
+}
+
+/// An in-memory outbox: records what a poll round marks published and what it marks failed.
+#[derive(Clone, Default)]
+struct MemTable {
+    published: Arc<Mutex<Vec<i64>>>,
+    failed: Arc<Mutex<Vec<i64>>>,
+}
+
+struct MemTx {
+    table: MemTable,
+    published: Vec<i64>,
+    failed: Vec<i64>,
+}
+
+impl OutboxTable for MemTable {
+    type Tx = MemTx;
+
+    async fn mark_published(&self, rows: &[(i64, uuid::Uuid)]) -> Result<Vec<i64>, StoreError> {
+        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        self.published.lock().unwrap().extend(&ids);
+        Ok(ids)
+    }
+
+    async fn begin(&self) -> Result<MemTx, StoreError> {
+        Ok(MemTx {
+            table: self.clone(),
+            published: Vec::new(),
+            failed: Vec::new(),
+        })
+    }
+}
+
+impl OutboxTx for MemTx {
+    async fn claim(
+        &mut self,
+        _limit: usize,
+        _older_than: Option<Duration>,
+    ) -> Result<Vec<ClaimedRow>, StoreError> {
+        Ok(rows())
+    }
+
+    async fn mark_failed(
+        &mut self,
+        id: i64,
+        _error: &str,
+        _backoff: Duration,
+        _max_attempts: i32,
+    ) -> Result<bool, StoreError> {
+        self.failed.push(id);
+        Ok(false)
+    }
+
+    async fn mark_published(&mut self, ids: &[i64]) -> Result<(), StoreError> {
+        self.published.extend_from_slice(ids);
+        Ok(())
+    }
+
+    async fn commit(self) -> Result<(), StoreError> {
+        self.table.published.lock().unwrap().extend(self.published);
+        self.table.failed.lock().unwrap().extend(self.failed);
+        Ok(())
+    }
+}
+
+/// End to end through a poll round with the real sink: no refused row is marked published, and
+/// each records a failed attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_round_never_marks_a_refused_row_published() {
+    let (redis, sink) = redis_with_two_broken_queues().await;
+    let table = MemTable::default();
+    let poller = Poller {
+        table: table.clone(),
+        settings: PollerSettings {
+            batch_size: 10,
+            chunk_size: 10,
+            poll_interval: Duration::from_millis(200),
+            recovery_grace: None,
+            max_attempts: 3,
+            attempt_backoff: Duration::from_millis(200),
+        },
+        tasks: Arc::new(task_settings()),
+        sink,
+        metrics: Arc::new(Metrics::new(
+            &mut prometheus_client::registry::Registry::default(),
+        )),
+        wake: Arc::default(),
+    };
+    let _ = poller.round().await;
+    let mut admin = redis.conn().await;
+    let qb_tasks: Vec<String> = redis::cmd("KEYS")
+        .arg("asynq:{qb}:t:*")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let published = table.published.lock().unwrap().clone();
+    let failed = table.failed.lock().unwrap().clone();
+    assert!(qb_tasks.is_empty(), "qb refused everything: {qb_tasks:?}");
+    assert!(
+        published.is_empty(),
+        "rows {published:?} marked published without a task (failed attempts recorded for \
+         {failed:?}): their events would be lost"
+    );
+    let mut failed = failed;
+    failed.sort();
+    assert_eq!(
+        failed,
+        vec![1, 2, 3],
+        "each refused row records a failed attempt"
+    );
+}
