@@ -11,7 +11,8 @@
 # before-the-fix.caught.patch is the code issue 12 started from: the writer writes a batch
 # handed over while it backs off, and its checks are gone from release builds (they were
 # debug_asserts). old-writer-with-release-checks.guarded.patch is the same writer with today's
-# checks: they stop the session, and nothing is lost.
+# checks: they stop the session, and nothing is lost. refusals-merged-as-sorted.caught.patch is
+# the stream before review found that refusals come queue by queue, not in batch order.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
