@@ -13,6 +13,22 @@
 -- password and the database replaced, and run the relay as that role
 -- (tests/common/mod.rs, TestDb::least_privilege_role).
 
+-- Which command needs which grant (everything else the relay does needs only what is granted
+-- below without a comment mark):
+--
+--   command / setting                           needs
+--   run (stream or poll mode), status, trace,   LOGIN, REPLICATION (stream mode), CONNECT,
+--     replay, reconcile,                        USAGE on the schema, SELECT and the column
+--     dead-letters list, dead-letters retry     UPDATE below
+--   run with OUTBOX_CLEANUP_OLDER_THAN set      + DELETE on the table (commented out below)
+--   run with OUTBOX_DELETE_DELIVERED=true       + DELETE on the table (commented out below)
+--   cleanup                                     + DELETE on the table (commented out below)
+--   run, fast takeover between replicas         + pg_read_all_stats (below; optional)
+--   migrate                                     not this role: the table's owner (it alters
+--                                               the table and creates the publication)
+--
+-- Without DELETE, cleanup fails with "permission denied for table outbox_events".
+
 -- LOGIN to connect; REPLICATION for the logical replication connection and for
 -- pg_create_logical_replication_slot (the slot is created when missing).
 CREATE ROLE outbox_relay LOGIN REPLICATION PASSWORD 'change-me';
@@ -28,8 +44,9 @@ GRANT USAGE ON SCHEMA public TO outbox_relay;
 GRANT SELECT, UPDATE (published_at, attempts, last_error, next_attempt_at, dead_at)
     ON public.outbox_events TO outbox_relay;
 
--- Only if the relay deletes old published rows (OUTBOX_CLEANUP_OLDER_THAN, or the `cleanup`
--- command run as this role):
+-- DELETE: needed by the `cleanup` command, by `run` with OUTBOX_CLEANUP_OLDER_THAN (periodic
+-- cleanup) and by `run` with OUTBOX_DELETE_DELIVERED=true (delivered rows are deleted instead of
+-- marked). Uncomment it if you use any of them:
 -- GRANT DELETE ON public.outbox_events TO outbox_relay;
 
 -- pg_read_all_stats: lets a standby replica see pg_stat_replication.reply_time of the

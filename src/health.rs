@@ -19,7 +19,15 @@ pub struct Health {
     unseen: Mutex<VecDeque<(u64, Instant)>>,
     /// The newest heartbeat LSN the stream delivered.
     seen: AtomicU64,
+    /// Since when every Valkey write has failed (`None`: the last one succeeded). A Valkey
+    /// that answers PING but refuses writes (maxmemory with noeviction, a replica) would
+    /// otherwise look healthy.
+    writes_failing_since: Mutex<Option<Instant>>,
 }
+
+/// Valkey writes failing without a success for this long make `/readyz` report not ready
+/// (docs/observability.md). Long enough that one outage retried with backoff does not flap it.
+pub const WRITES_FAILING_NOT_READY: Duration = Duration::from_secs(30);
 
 /// Why the relay is not ready.
 pub type NotReady = Vec<&'static str>;
@@ -38,6 +46,27 @@ impl Health {
     pub fn set_running(&self, running: bool, needs_stream: bool) {
         self.needs_stream.store(needs_stream, Ordering::Relaxed);
         self.running.store(running, Ordering::Relaxed);
+    }
+
+    /// A Valkey write failed (it is retried).
+    pub fn write_failed(&self) {
+        self.write_failed_at(Instant::now());
+    }
+
+    fn write_failed_at(&self, now: Instant) {
+        let mut since = self.writes_failing_since.lock().expect("health lock");
+        since.get_or_insert(now);
+    }
+
+    /// A Valkey write succeeded.
+    pub fn write_succeeded(&self) {
+        *self.writes_failing_since.lock().expect("health lock") = None;
+    }
+
+    /// How long Valkey writes have failed without one succeeding, at `now`.
+    fn writes_failing_for(&self, now: Instant) -> Option<Duration> {
+        let since = *self.writes_failing_since.lock().expect("health lock");
+        since.map(|s| now.saturating_duration_since(s))
     }
 
     /// A heartbeat message was written at `lsn`.
@@ -66,6 +95,10 @@ impl Health {
 
     /// `Ok` when the relay can deliver; otherwise the reasons.
     pub fn ready(&self, stream_up: bool, stalled: bool) -> Result<(), NotReady> {
+        self.ready_at(Instant::now(), stream_up, stalled)
+    }
+
+    fn ready_at(&self, now: Instant, stream_up: bool, stalled: bool) -> Result<(), NotReady> {
         let mut why = Vec::new();
         if !self.running.load(Ordering::Relaxed) {
             why.push("not running");
@@ -81,6 +114,12 @@ impl Health {
         }
         if stalled {
             why.push("stream stalled (heartbeats not coming back)");
+        }
+        if self
+            .writes_failing_for(now)
+            .is_some_and(|d| d >= WRITES_FAILING_NOT_READY)
+        {
+            why.push("valkey writes failing (none succeeded for 30 s)");
         }
         if why.is_empty() {
             Ok(())
@@ -108,6 +147,29 @@ mod tests {
         );
         h.set_valkey(false);
         assert_eq!(h.ready(true, true).unwrap_err().len(), 2);
+    }
+
+    #[test]
+    fn writes_failing_for_long_make_it_not_ready() {
+        let h = Health::default();
+        h.set_running(true, false);
+        h.set_postgres(true);
+        h.set_valkey(true);
+        let t0 = Instant::now();
+        h.write_failed_at(t0);
+        assert!(
+            h.ready_at(t0, false, false).is_ok(),
+            "one failure is retried"
+        );
+        // Later failures do not move the start of the failing period.
+        h.write_failed_at(t0 + WRITES_FAILING_NOT_READY / 2);
+        let late = t0 + WRITES_FAILING_NOT_READY;
+        assert_eq!(
+            h.ready_at(late, false, false).unwrap_err(),
+            vec!["valkey writes failing (none succeeded for 30 s)"]
+        );
+        h.write_succeeded();
+        assert!(h.ready_at(late, false, false).is_ok());
     }
 
     #[test]

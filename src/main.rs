@@ -80,8 +80,18 @@ fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
 }
 
 fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOX_LOG")
+    let mut filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOX_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // pgwire-replication logs every replication connection that ends with an error at ERROR,
+    // and returns that error to the relay, which logs it at the level it deserves: a standby
+    // replica retrying a slot in use every second is not an error. Silenced unless OUTBOX_LOG
+    // names the crate.
+    let names_crate = std::env::var("OUTBOX_LOG").is_ok_and(|v| v.contains("pgwire_replication"));
+    if !names_crate {
+        if let Ok(d) = "pgwire_replication::client::tokio_client=off".parse() {
+            filter = filter.add_directive(d);
+        }
+    }
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

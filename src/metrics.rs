@@ -7,7 +7,17 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
+
+/// Distinct `event_type` label values of `outbox_events_failed_total` at most; later names are
+/// counted under [`OTHER_EVENT_TYPE`], so bad rows cannot grow `/metrics` without bound.
+pub const MAX_EVENT_TYPE_LABELS: usize = 50;
+/// Longest event name used as a label value; longer names count under [`OTHER_EVENT_TYPE`].
+pub const MAX_EVENT_TYPE_LABEL_BYTES: usize = 64;
+/// The label value of names beyond the limit, too long, empty or with unusual characters.
+pub const OTHER_EVENT_TYPE: &str = "other";
 
 /// `outbox_events_failed_total{event_type}` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -79,6 +89,9 @@ pub struct Metrics {
     pub mark_dropped: Counter,
     /// Unpublished rows (refreshed by the monitor).
     pub pending: Gauge,
+    /// Age of the oldest unpublished row that is not a dead letter, 0 when none (refreshed by
+    /// the monitor).
+    pub oldest_pending_age: Gauge<f64, AtomicU64>,
     /// Dead letters (refreshed by the monitor).
     pub dead_letters: Gauge,
     /// Current WAL position minus the slot's confirmed position (refreshed by the monitor).
@@ -103,6 +116,8 @@ pub struct Metrics {
     pub publication_recreated: Counter,
     /// Liveness of the dependencies, for /readyz.
     pub health: crate::health::Health,
+    /// The `event_type` values `failed` has used (at most [`MAX_EVENT_TYPE_LABELS`]).
+    event_types: Mutex<HashSet<String>>,
 }
 
 impl Metrics {
@@ -128,6 +143,7 @@ impl Metrics {
             marked: Counter::default(),
             mark_dropped: Counter::default(),
             pending: Gauge::default(),
+            oldest_pending_age: Gauge::default(),
             dead_letters: Gauge::default(),
             lag_bytes: Gauge::default(),
             delivery_latency: Histogram::new(exponential_buckets(0.0005, 2.0, 18)),
@@ -139,6 +155,7 @@ impl Metrics {
             link_failures: Family::default(),
             publication_recreated: Counter::default(),
             health: crate::health::Health::default(),
+            event_types: Mutex::default(),
         };
         registry.register(
             "outbox_link_failures",
@@ -243,6 +260,11 @@ impl Metrics {
             m.pending.clone(),
         );
         registry.register(
+            "outbox_oldest_pending_age_seconds",
+            "Age of the oldest unpublished row that is not a dead letter (0 when none)",
+            m.oldest_pending_age.clone(),
+        );
+        registry.register(
             "outbox_dead_letters",
             "Rows that failed too often and wait for an operator",
             m.dead_letters.clone(),
@@ -296,13 +318,92 @@ impl Metrics {
         m
     }
 
+    /// A Valkey write failed (it is retried): counted, and `/readyz` turns not ready when
+    /// writes keep failing (see [`crate::health::WRITES_FAILING_NOT_READY`]).
+    pub fn valkey_write_failed(&self) {
+        self.write_errors.inc();
+        self.health.write_failed();
+    }
+
+    /// A Valkey write succeeded.
+    pub fn valkey_write_succeeded(&self) {
+        self.health.write_succeeded();
+    }
+
     /// Counts a row that could not become a task.
     pub fn bad_row(&self, event_name: &str, reason: &'static str) {
         self.bad_rows.get_or_create(&ReasonLabel { reason }).inc();
+        let event_type = self.event_type_label(event_name);
         self.failed
-            .get_or_create(&EventTypeLabel {
-                event_type: event_name.to_owned(),
-            })
+            .get_or_create(&EventTypeLabel { event_type })
             .inc();
+    }
+
+    /// The `event_type` label for `event_name`: the name itself when it is short, made of
+    /// the characters event names use, and among the first [`MAX_EVENT_TYPE_LABELS`] distinct
+    /// names seen; otherwise [`OTHER_EVENT_TYPE`]. A bad row's name is whatever a producer
+    /// wrote (4,000 rows with 10 KB names once made `/metrics` 41 MB): it must not become a
+    /// label as it is.
+    fn event_type_label(&self, event_name: &str) -> String {
+        let plain = !event_name.is_empty()
+            && event_name.len() <= MAX_EVENT_TYPE_LABEL_BYTES
+            && event_name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._:-/".contains(&b));
+        if !plain || event_name == OTHER_EVENT_TYPE {
+            return OTHER_EVENT_TYPE.to_owned();
+        }
+        let mut known = self.event_types.lock().expect("event types lock");
+        if known.contains(event_name) || known.len() < MAX_EVENT_TYPE_LABELS {
+            known.insert(event_name.to_owned());
+            event_name.to_owned()
+        } else {
+            OTHER_EVENT_TYPE.to_owned()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed_labels(m: &Metrics) -> Vec<String> {
+        let mut registry = Registry::default();
+        registry.register("f", "f", m.failed.clone());
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text.lines()
+            .filter_map(|l| l.split("event_type=\"").nth(1))
+            .map(|l| l.split('"').next().unwrap().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn failed_event_types_are_bounded_and_never_raw_bad_names() {
+        let m = Metrics::new(&mut Registry::default());
+        m.bad_row("order.created", "empty_event_name");
+        m.bad_row(&"x".repeat(10_000), "payload_too_large");
+        m.bad_row("", "empty_event_name");
+        m.bad_row("bad name\n{}\"", "missing_column");
+        for i in 0..4_000 {
+            m.bad_row(&format!("name.{i}"), "metadata_not_object");
+        }
+        m.bad_row("order.created", "empty_event_name");
+        let labels = failed_labels(&m);
+        assert!(
+            labels.len() <= MAX_EVENT_TYPE_LABELS + 1,
+            "{}",
+            labels.len()
+        );
+        assert!(labels.contains(&"order.created".to_owned()));
+        assert!(labels.contains(&OTHER_EVENT_TYPE.to_owned()));
+        assert!(labels.iter().all(|l| l.len() <= MAX_EVENT_TYPE_LABEL_BYTES));
+        let other = m
+            .failed
+            .get_or_create(&EventTypeLabel {
+                event_type: OTHER_EVENT_TYPE.into(),
+            })
+            .get();
+        assert_eq!(other, 3 + 4_000 - (MAX_EVENT_TYPE_LABELS as u64 - 1));
     }
 }

@@ -107,8 +107,11 @@ impl Monitor {
 
     async fn query_postgres(&self) -> Result<(), MonitorError> {
         let client = self.pool.get().await?;
-        let (pending, _) = self.store.unpublished(&**client).await?;
+        let (pending, oldest) = self.store.unpublished(&**client).await?;
         self.metrics.pending.set(pending);
+        self.metrics
+            .oldest_pending_age
+            .set(oldest.unwrap_or(0.0).max(0.0));
         let dead = self.store.dead_letters_count(&**client).await?;
         self.metrics.dead_letters.set(dead);
         if let Some(slot) = &self.settings.slot {

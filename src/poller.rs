@@ -5,7 +5,10 @@
 //! delay; a failing round backs off with doubling delays up to 30 s and the first good round
 //! returns to the normal pace; rows enqueued before a mid-batch failure are marked published,
 //! the rest stay. Several pollers (threads or replicas) never claim the same row. A row that
-//! cannot become a task records a failed attempt and becomes a dead letter at the limit.
+//! cannot become a task (no event name, metadata not a string map, over the size limit...)
+//! becomes a dead letter at once: only a fix can change it. A task Valkey refuses for good
+//! (its queue's key, the ACL) records a failed attempt and becomes a dead letter at the limit,
+//! since a fix of Valkey's side makes the retry succeed.
 
 use crate::backoff::Backoff;
 use crate::error_chain::error_chain;
@@ -46,6 +49,8 @@ pub enum PollerError {
 /// First delay after a failed round, and the cap of the doubling delays (the Go kit's).
 const ROUND_RETRY_FIRST: Duration = Duration::from_secs(1);
 const ROUND_RETRY_MAX: Duration = Duration::from_secs(30);
+/// `max_attempts` that makes [`OutboxTx::mark_failed`] dead-letter the row on this attempt.
+const DEAD_AT_ONCE: i32 = 0;
 
 /// One poll loop.
 pub struct Poller<T: OutboxTable, S: Sink> {
@@ -87,6 +92,10 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                 }
                 Err(e) => {
                     let delay = backoff.next_delay();
+                    if let PollerError::Sink(_) = e {
+                        // In poll mode this is the only Valkey writer.
+                        self.metrics.valkey_write_failed();
+                    }
                     self.metrics.poller_errors.inc();
                     tracing::warn!(
                         error = %error_chain(&e),
@@ -131,8 +140,12 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                 Ok(task) => good.push((row, task)),
                 Err(bad) => {
                     out.failed_rows += 1;
+                    // A bad row is bad for good: nothing but a fix of the row (or of the
+                    // settings) changes it, so retrying with backoff only delays the operator.
+                    // It becomes a dead letter now; retrying is for what can change by itself
+                    // (Valkey refusing a queue, below).
                     let dead = tx
-                        .mark_failed(row.id, &bad.to_string(), s.attempt_backoff, s.max_attempts)
+                        .mark_failed(row.id, &bad.to_string(), s.attempt_backoff, DEAD_AT_ONCE)
                         .await?;
                     self.metrics.bad_row(row.event_name(), bad.reason());
                     tracing::warn!(
@@ -154,7 +167,10 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                 batch.push(task.clone());
             }
             let outcome = match self.sink.write(Arc::new(batch)).await {
-                Ok(o) => o,
+                Ok(o) => {
+                    self.metrics.valkey_write_succeeded();
+                    o
+                }
                 Err(e) => {
                     failure = Some(e);
                     break;

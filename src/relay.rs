@@ -38,6 +38,16 @@ pub enum RelayError {
         #[source]
         source: SinkError,
     },
+    #[error(
+        "Valkey at {target} is a read-only replica (ROLE answers {role:?}{node}): tasks written \
+         there would be refused; point OUTBOX_VALKEY_URL (or VALKEY_ADDR) at the primary, or use \
+         redis+sentinel:// to follow the primary"
+    )]
+    ValkeyReplica {
+        target: String,
+        role: String,
+        node: String,
+    },
     #[error(transparent)]
     Stream(#[from] StreamError),
     #[error(transparent)]
@@ -70,6 +80,17 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName)
     if args.mode == Mode::Poll || args.recovery {
         setup::check_poller_columns(&client, &table).await?;
     }
+    // Valkey before the slot: a first run that cannot write tasks must not leave behind a new
+    // slot that pins WAL until someone drops it.
+    let sink = ValkeySink::connect(valkey_target)
+        .await
+        .map_err(|source| RelayError::Valkey {
+            target: args.valkey.display(),
+            source,
+        })?;
+    refuse_replica(&sink, &args.valkey.display()).await?;
+    warn_on_eviction(&sink).await;
+    crate::valkey_durability::warn_if_volatile(&sink.connection()).await;
     if args.mode == Mode::Stream {
         setup::check_wal_level(&client).await?;
         setup::check_replication_privilege(&client).await?;
@@ -81,15 +102,44 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName)
         };
         tracing::info!(slot = %args.slot, confirmed_flush = %slot.confirmed_flush, wal_status = ?slot.wal_status, "slot ready");
     }
-    let sink = ValkeySink::connect(valkey_target)
-        .await
-        .map_err(|source| RelayError::Valkey {
-            target: args.valkey.display(),
-            source,
-        })?;
-    warn_on_eviction(&sink).await;
-    crate::valkey_durability::warn_if_volatile(&sink.connection()).await;
     Ok((pg, sink, table))
+}
+
+/// Refuses a Valkey that answers `ROLE` as a replica: it accepts connections, PING and script
+/// loads, and refuses every write with READONLY, which the relay would retry forever while
+/// looking healthy. On a cluster every primary is asked (they are primaries by definition; the
+/// check costs nothing there). A `ROLE` the ACL forbids is not a refusal: the check is skipped.
+async fn refuse_replica(sink: &ValkeySink, target: &str) -> Result<(), RelayError> {
+    let mut conn = sink.connection();
+    let replies = match conn
+        .on_each_primary::<Vec<redis::Value>>(&redis::cmd("ROLE"))
+        .await
+    {
+        Ok(replies) => replies,
+        Err(e) => {
+            tracing::debug!(error = %e, "could not ask valkey for its ROLE");
+            return Ok(());
+        }
+    };
+    for (node, reply) in replies {
+        let role = match reply {
+            Ok(values) => values
+                .first()
+                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok()),
+            Err(e) => {
+                tracing::debug!(error = %e, "could not ask valkey for its ROLE");
+                None
+            }
+        };
+        if let Some(role) = role.filter(|r| r == "slave" || r == "replica") {
+            return Err(RelayError::ValkeyReplica {
+                target: target.to_owned(),
+                role,
+                node: node.map(|n| format!(" on {n}")).unwrap_or_default(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// With eviction enabled, Valkey may silently drop tasks under memory pressure. On a cluster

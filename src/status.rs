@@ -13,9 +13,12 @@ use std::fmt::Write;
 pub struct Status {
     pub slot: SlotStatus,
     pub publication: PublicationStatus,
-    pub unpublished_rows: i64,
+    pub table: TableStatus,
+    /// `None` when the table does not exist.
+    pub unpublished_rows: Option<i64>,
     pub oldest_unpublished_age_seconds: Option<f64>,
-    pub dead_letters: i64,
+    /// `None` when the table does not exist.
+    pub dead_letters: Option<i64>,
     /// `None` when Valkey could not be reached.
     pub queues: Option<Vec<QueueStatus>>,
 }
@@ -40,6 +43,16 @@ pub struct PublicationStatus {
     pub oid: Option<u32>,
     pub tables: Vec<String>,
     pub operations: Vec<String>,
+}
+
+/// The outbox table (OUTBOX_TABLE): a typo in its name is reported here, with the tables of
+/// similar name, rather than failing the whole command.
+#[derive(Debug, Serialize)]
+pub struct TableStatus {
+    pub name: String,
+    pub exists: bool,
+    /// When it does not exist: tables whose names are close to it.
+    pub similar: Vec<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -73,9 +86,28 @@ pub async fn collect(
         lag_bytes: row.as_ref().and_then(|r| r.get(3)),
     };
     let publication = publication_status(client, publication).await?;
-    let store = Store::new(table.clone());
-    let (unpublished_rows, oldest) = store.unpublished(client).await?;
-    let dead_letters = store.dead_letters_count(client).await?;
+    let exists: Option<u32> = client
+        .query_one("SELECT to_regclass($1)::oid", &[&table.sql()])
+        .await?
+        .get(0);
+    let (table_status, unpublished_rows, oldest, dead_letters) = if exists.is_some() {
+        let store = Store::new(table.clone());
+        let (unpublished, oldest) = store.unpublished(client).await?;
+        let dead = store.dead_letters_count(client).await?;
+        let t = TableStatus {
+            name: table.sql(),
+            exists: true,
+            similar: Vec::new(),
+        };
+        (t, Some(unpublished), oldest, Some(dead))
+    } else {
+        let t = TableStatus {
+            name: table.sql(),
+            exists: false,
+            similar: crate::replication::setup::similar_tables(client, table).await?,
+        };
+        (t, None, None, None)
+    };
     let queues = match valkey {
         Some(mut conn) => queue_status(&mut conn).await.ok(),
         None => None,
@@ -83,6 +115,7 @@ pub async fn collect(
     Ok(Status {
         slot,
         publication,
+        table: table_status,
         unpublished_rows,
         oldest_unpublished_age_seconds: oldest,
         dead_letters,
@@ -183,14 +216,27 @@ pub fn render(s: &Status) -> String {
             s.publication.operations.join(",")
         },
     );
-    let _ = writeln!(
-        out,
-        "outbox       unpublished={} oldest={} dead_letters={}",
-        s.unpublished_rows,
-        s.oldest_unpublished_age_seconds
-            .map_or("-".into(), |a| format!("{a:.1}s")),
-        s.dead_letters
-    );
+    if s.table.exists {
+        let _ = writeln!(
+            out,
+            "outbox       unpublished={} oldest={} dead_letters={}",
+            s.unpublished_rows.unwrap_or_default(),
+            s.oldest_unpublished_age_seconds
+                .map_or("-".into(), |a| format!("{a:.1}s")),
+            s.dead_letters.unwrap_or_default()
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "outbox       {} does not exist (check OUTBOX_TABLE); similar={}",
+            s.table.name,
+            if s.table.similar.is_empty() {
+                "-".into()
+            } else {
+                s.table.similar.join(",")
+            },
+        );
+    }
     match &s.queues {
         None => {
             let _ = writeln!(out, "valkey       unreachable");

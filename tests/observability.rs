@@ -35,6 +35,36 @@ async fn counters_read_the_number_of_delivered_events() {
     relay.stop().await;
 }
 
+/// `outbox_oldest_pending_age_seconds`: the age of the oldest row waiting for delivery, 0 once
+/// everything is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oldest_pending_row_has_its_age_in_a_gauge() {
+    let (db, redis, relay) = streaming_relay("oldest", &["--health-interval", "200ms"]).await;
+    let age = || async {
+        let (_, text) = relay.get("/metrics").await;
+        metric_value(&text, "outbox_oldest_pending_age_seconds")
+    };
+    assert_eq!(age().await, Some(0.0), "registered at 0");
+    redis.stop();
+    let c = db.client().await;
+    c.batch_execute(
+        "INSERT INTO outbox_events (event_id, event_name, payload, created_at) \
+         VALUES (gen_random_uuid(), 'old.one', '{}', now() - interval '1 hour')",
+    )
+    .await
+    .unwrap();
+    eventually("the gauge shows the hour-old row", || async {
+        age().await.filter(|a| *a >= 3600.0)
+    })
+    .await;
+    redis.restart();
+    eventually("delivered: back to 0", || async {
+        (age().await == Some(0.0)).then_some(())
+    })
+    .await;
+    relay.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_follows_valkey() {
     let (_db, redis, relay) = streaming_relay("readyz", &["--health-interval", "200ms"]).await;

@@ -99,6 +99,27 @@ async fn one_replica_streams_and_another_takes_over_when_it_dies() {
     let result = load.stop().await;
     let v = verify("replica_takeover", &redis, &result, 1, 0).await;
     assert!(v.ok(), "{v}");
+    // The replica that took over streams and no longer stands by.
+    eventually("the new streamer's standby gauge is 0", || async {
+        for r in &replicas {
+            if r.state().await == Some((1.0, 0.0)) {
+                return Some(());
+            }
+        }
+        None
+    })
+    .await;
+    // Standing by is a state, logged once at info, not an error every second.
+    for r in &replicas {
+        let log = r.relay.process.log_text();
+        assert!(
+            !log.contains("replication worker terminated with error"),
+            "a standby logs its retries as errors:\n{log}"
+        );
+        if r.state().await == Some((0.0, 1.0)) {
+            assert_eq!(log.matches("standing by").count(), 1, "{log}");
+        }
+    }
 }
 
 /// One replica streams while two stand by, under a load that lasts several times

@@ -108,6 +108,21 @@ async fn a_role_without_replication_is_refused_with_the_fix() {
     );
 }
 
+/// Whether the test database's slot exists.
+async fn slot_exists(db: &TestDb) -> bool {
+    db.client()
+        .await
+        .query_opt(
+            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+            &[&db.slot],
+        )
+        .await
+        .unwrap()
+        .is_some()
+}
+
+/// A first run that cannot reach Valkey fails before creating the slot: an inactive slot left
+/// behind would pin WAL until someone drops it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_valkey_is_refused_naming_it() {
     let (db, redis) = database_and_redis("novalkey").await;
@@ -116,6 +131,36 @@ async fn unreachable_valkey_is_refused_naming_it() {
     let msg = Relay::failure(run_args(&db, &url, &[])).await;
     assert!(msg.contains("cannot reach Valkey at"), "{msg}");
     assert!(msg.contains(url.trim_start_matches("redis://")), "{msg}");
+    assert!(!slot_exists(&db).await, "the failed run left a slot behind");
+}
+
+/// A Valkey replica answers PING and loads scripts, and refuses every write with READONLY: the
+/// relay refuses it at start, before creating the slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_valkey_replica_is_refused_at_start() {
+    let (db, primary) = database_and_redis("vreplica").await;
+    let replica = Redis::start();
+    let mut conn = replica.conn().await;
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(
+            primary
+                .url
+                .trim_end_matches('/')
+                .rsplit(':')
+                .next()
+                .unwrap(),
+        )
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let msg = Relay::failure(run_args(&db, &replica.url, &[])).await;
+    assert!(msg.contains("is a read-only replica"), "{msg}");
+    assert!(msg.contains("at the primary"), "{msg}");
+    assert!(
+        !slot_exists(&db).await,
+        "the refused run left a slot behind"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,6 +169,42 @@ async fn a_missing_table_says_to_migrate() {
     let redis = Redis::start();
     let msg = Relay::failure(run_args(&db, &redis.url, &[])).await;
     assert!(msg.contains("outbox-relay migrate"), "{msg}");
+    assert!(msg.contains("no table of similar name"), "{msg}");
+}
+
+/// A typo in OUTBOX_TABLE: `run` says the table does not exist and names the real one (it
+/// does not only say to migrate, which would create the misspelt table), and `status` reports
+/// it instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misspelt_table_names_the_tables_of_similar_name() {
+    let (db, redis) = database_and_redis("typo").await;
+    let msg = Relay::failure(run_args(&db, &redis.url, &["--table", "outbx_events"])).await;
+    assert!(msg.contains("outbx_events does not exist"), "{msg}");
+    assert!(
+        msg.contains("tables of similar name: public.outbox_events"),
+        "{msg}"
+    );
+    assert!(msg.contains("check OUTBOX_TABLE"), "{msg}");
+    let env = [
+        &relay_env(&db, &redis.url)[..],
+        &[("OUTBOX_TABLE", "outbx_events")],
+    ]
+    .concat();
+    let (code, out, err) = run_command(&["status", "--json"], &env);
+    assert_eq!(code, 0, "{err}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(status["table"]["exists"], false, "{out}");
+    assert_eq!(
+        status["table"]["similar"][0], "public.outbox_events",
+        "{out}"
+    );
+    assert!(status["unpublished_rows"].is_null(), "{out}");
+    let (code, text, err) = run_command(&["status"], &env);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        text.contains("does not exist (check OUTBOX_TABLE)"),
+        "{text}"
+    );
 }
 
 /// The Go kit's migration, verbatim.

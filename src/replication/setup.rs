@@ -20,8 +20,15 @@ pub enum SetupError {
          (see docs/configuration.md for a least-privilege role)"
     )]
     NoReplicationPrivilege(String),
-    #[error("the outbox table {0} does not exist: run `outbox-relay migrate` (or the Go kit's migration)")]
-    NoTable(String),
+    #[error(
+        "the outbox table {table} does not exist ({similar}): check OUTBOX_TABLE; only if the \
+         name is right and the table was never created, run `outbox-relay migrate` (or the Go \
+         kit's migration), which creates it"
+    )]
+    NoTable {
+        table: String,
+        similar: SimilarTables,
+    },
     #[error(
         "the outbox table {table} lacks column(s) {missing}: it must have the Go kit's columns \
          (id, event_id, event_name, payload, metadata, created_at, published_at)"
@@ -100,10 +107,89 @@ pub async fn resolve_table(client: &Client, table: &TableName) -> Result<TableNa
         )
         .await?;
     let Some(row) = row else {
-        return Err(SetupError::NoTable(table.sql()));
+        return Err(no_table(client, table).await);
     };
     let schema: String = row.get(0);
     Ok(TableName::parse(&format!("{schema}.{}", table.table)).unwrap_or_else(|| table.clone()))
+}
+
+/// Tables whose names are close to a missing table's, for its error message.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SimilarTables(pub Vec<String>);
+
+impl std::fmt::Display for SimilarTables {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            f.write_str("no table of similar name")
+        } else {
+            write!(f, "tables of similar name: {}", self.0.join(", "))
+        }
+    }
+}
+
+/// The error for a missing `table`, listing the tables of similar name (none when they cannot
+/// be read).
+pub async fn no_table(client: &Client, table: &TableName) -> SetupError {
+    let similar = similar_tables(client, table).await.unwrap_or_else(|e| {
+        tracing::debug!(error = %e, "could not list tables of similar name");
+        Vec::new()
+    });
+    SetupError::NoTable {
+        table: table.sql(),
+        similar: SimilarTables(similar),
+    }
+}
+
+/// Tables (outside the system schemas) whose name is close to `table`'s: at most five, the
+/// closest first.
+pub async fn similar_tables(
+    client: &Client,
+    table: &TableName,
+) -> Result<Vec<String>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT tablename::text, format('%I.%I', schemaname, tablename) FROM pg_tables \
+             WHERE schemaname NOT IN ('pg_catalog', 'information_schema') \
+             ORDER BY 2 LIMIT 10000",
+            &[],
+        )
+        .await?;
+    let candidates: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    Ok(closest_names(&table.table, &candidates))
+}
+
+/// Of `candidates` (bare name, qualified name), the qualified names of those close to `wanted`:
+/// a few edits away (about a third of its length, at least 2), or one containing the other.
+fn closest_names(wanted: &str, candidates: &[(String, String)]) -> Vec<String> {
+    let wanted = wanted.to_lowercase();
+    let limit = (wanted.chars().count() / 3).max(2);
+    let mut close: Vec<(usize, &String)> = candidates
+        .iter()
+        .filter_map(|(name, qualified)| {
+            let name = name.to_lowercase();
+            let d = edit_distance(&wanted, &name);
+            let contains = name.len() >= 3 && (name.contains(&wanted) || wanted.contains(&name));
+            (d <= limit || contains).then_some((d, qualified))
+        })
+        .collect();
+    close.sort();
+    close.into_iter().take(5).map(|(_, q)| q.clone()).collect()
+}
+
+/// Levenshtein distance, over chars.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = Vec::with_capacity(b.len() + 1);
+        cur.push(i + 1);
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
 }
 
 /// Checks the table exists and has the columns a task is built from.
@@ -113,7 +199,7 @@ pub async fn check_table(client: &Client, table: &TableName) -> Result<(), Setup
         .await?;
     let oid: Option<u32> = row.get(0);
     let Some(oid) = oid else {
-        return Err(SetupError::NoTable(table.sql()));
+        return Err(no_table(client, table).await);
     };
     let rows = client
         .query(
@@ -299,4 +385,39 @@ pub async fn ensure_slot(client: &Client, slot: &str) -> Result<SlotInfo, SetupE
     slot_info(client, slot)
         .await?
         .ok_or_else(|| SetupError::SlotVanished(slot.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(list: &[&str]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|n| (n.to_string(), format!("public.{n}")))
+            .collect()
+    }
+
+    #[test]
+    fn a_typo_finds_the_real_table_and_unrelated_ones_are_left_out() {
+        let tables = names(&[
+            "outbox_events",
+            "orders",
+            "customers",
+            "outbox_events_archive",
+        ]);
+        assert_eq!(
+            closest_names("outbx_events", &tables),
+            ["public.outbox_events"]
+        );
+        assert_eq!(
+            closest_names("outbox_event", &tables),
+            ["public.outbox_events", "public.outbox_events_archive"]
+        );
+        assert!(closest_names("payments", &tables).is_empty());
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(
+            SimilarTables(vec!["public.outbox_events".into()]).to_string(),
+            "tables of similar name: public.outbox_events"
+        );
+    }
 }

@@ -138,6 +138,10 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
             let mut streamed = false;
             let result = self.session(&shutdown, &mut streamed).await;
             self.metrics.stream_up.set(0);
+            if streamed {
+                // This session held the slot: whatever stood by before has ended.
+                standing_by = false;
+            }
             let holds_slot_elsewhere = matches!(&result, Err(e) if e.slot_in_use());
             if holds_slot_elsewhere != standing_by {
                 standing_by = holds_slot_elsewhere;
@@ -323,6 +327,8 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         tracing::info!(slot = %self.settings.slot, lsn = %start, "replication stream started");
         *streamed = true;
         self.metrics.stream_up.set(1);
+        // A standby that took the slot over streams now.
+        self.metrics.stream_standby.set(0);
         let cx = SessionContext {
             settings: &self.settings,
             tasks: &self.tasks,

@@ -178,7 +178,7 @@ impl<S: Sink> Writer<S> {
                     }
                     let retry_in = self.backoff.next_delay();
                     self.retry_at = Some(Instant::now() + retry_in);
-                    self.metrics.write_errors.inc();
+                    self.metrics.valkey_write_failed();
                     self.failing = true;
                     return Ok(WriterEvent::Failed { error, retry_in });
                 }
@@ -222,6 +222,7 @@ impl<S: Sink> Writer<S> {
         self.bytes -= batch.bytes;
         self.gauges();
         self.backoff.reset();
+        self.metrics.valkey_write_succeeded();
         if std::mem::take(&mut self.failing) {
             self.metrics
                 .reconnects
