@@ -1,7 +1,7 @@
 //! Operator commands on the outbox table: dead letters and cleanup (also run periodically inside
 //! `run` when configured). Long work logs its progress at a steady interval.
 
-use crate::command::{self, CommandError};
+use crate::command::{self, printable, CommandError};
 use crate::config::{CleanupArgs, DeadLettersCommand};
 use crate::store::{DeadLetter, Store};
 use std::fmt::Write;
@@ -86,21 +86,27 @@ pub fn render_dead_letters(rows: &[DeadLetter]) -> String {
         let _ = writeln!(
             s,
             "{:<36}  {:<24}  {:>8}  {:<32}  {}",
-            r.event_id,
-            r.event_name,
+            printable(&r.event_id),
+            printable(&r.event_name),
             r.attempts,
             r.dead_at,
-            r.last_error.as_deref().unwrap_or("")
+            printable(r.last_error.as_deref().unwrap_or(""))
         );
     }
     let _ = writeln!(s, "{} dead letter(s)", rows.len());
     s
 }
 
-/// `outbox-relay cleanup`: deletes old published rows, then says how many.
+/// `outbox-relay cleanup`: deletes old published rows, then says how many; with `--dry-run`,
+/// counts them.
 pub async fn execute_cleanup(args: &CleanupArgs) -> Result<(), CommandError> {
     let client = args.db.target()?.connect().await?;
     let store = Store::new(args.db.table.clone());
+    if args.dry_run {
+        let n = store.count_published(&client, args.older_than).await?;
+        println!("dry run: {n} published row(s) would be deleted");
+        return Ok(());
+    }
     let n = cleanup(&client, &store, args.older_than, args.batch).await?;
     println!("deleted {n} published row(s)");
     Ok(())
@@ -120,6 +126,14 @@ pub async fn execute_dead_letters(cmd: &DeadLettersCommand) -> Result<(), Comman
             let ids = (!all).then_some(event_id.as_slice());
             let n = store.retry_dead_letters(&client, ids).await?;
             println!("{n} dead letter(s) will be delivered again");
+            let given = event_id
+                .iter()
+                .collect::<std::collections::BTreeSet<_>>()
+                .len();
+            let missed = (given as u64).saturating_sub(n);
+            if !all && missed > 0 {
+                eprintln!("{missed} of the {given} event id(s) given are not dead letters");
+            }
             Ok(())
         }
     }

@@ -2,17 +2,24 @@
 //! map errors to exit codes (0 success or clean shutdown, 1 runtime failure, 2 bad
 //! configuration).
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use outbox_relay::command::{print, CommandError};
 use outbox_relay::config::cli_error::naming_the_env_var;
+use outbox_relay::config::log::log_filter;
+use outbox_relay::config::secret::secrets_on_command_line;
 use outbox_relay::config::{Cli, Command, LogFormat};
 use outbox_relay::error_chain;
 use outbox_relay::{admin, daemon, inspect, migrate, status};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let cmd = Cli::command();
+    let parsed = cmd
+        .clone()
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (cli, m)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) if !e.use_stderr() => {
             let _ = e.print();
             return ExitCode::SUCCESS;
@@ -26,7 +33,23 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
-    init_tracing(cli.log_format);
+    let filter = log_filter(
+        std::env::var("OUTBOX_LOG").ok().as_deref(),
+        std::env::var("RUST_LOG").ok().as_deref(),
+    );
+    match filter {
+        Ok(filter) => init_tracing(cli.log_format, &filter),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    for (flag, instead) in secrets_on_command_line(&cmd, &matches) {
+        tracing::warn!(
+            "{flag} carries a secret on the command line, where every user of this host can \
+             read it (ps, /proc); set {instead} instead (docs/configuration.md#secrets)"
+        );
+    }
     let runtime = match runtime(cli.worker_threads) {
         Ok(rt) => rt,
         Err(e) => {
@@ -37,8 +60,13 @@ fn main() -> ExitCode {
     match runtime.block_on(dispatch(&cli.command)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = %error_chain(&e), "outbox-relay failed");
-            eprintln!("error: {}", error_chain(&e));
+            // Once: `run` is a daemon whose output is its log; the other commands end with the
+            // one line a person reads.
+            if matches!(cli.command, Command::Run(_)) {
+                tracing::error!(error = %error_chain(&e), "outbox-relay failed");
+            } else {
+                eprintln!("error: {}", error_chain(&e));
+            }
             ExitCode::FAILURE
         }
     }
@@ -79,15 +107,14 @@ fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
     builder.enable_all().build()
 }
 
-fn init_tracing(format: LogFormat) {
-    let mut filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOX_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+/// `spec` was checked by [`log_filter`].
+fn init_tracing(format: LogFormat, spec: &str) {
+    let mut filter = tracing_subscriber::EnvFilter::new(spec);
     // pgwire-replication logs every replication connection that ends with an error at ERROR,
     // and returns that error to the relay, which logs it at the level it deserves: a standby
-    // replica retrying a slot in use every second is not an error. Silenced unless OUTBOX_LOG
+    // replica retrying a slot in use every second is not an error. Silenced unless the filter
     // names the crate.
-    let names_crate = std::env::var("OUTBOX_LOG").is_ok_and(|v| v.contains("pgwire_replication"));
-    if !names_crate {
+    if !spec.contains("pgwire_replication") {
         if let Ok(d) = "pgwire_replication::client::tokio_client=off".parse() {
             filter = filter.add_directive(d);
         }

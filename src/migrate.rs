@@ -103,13 +103,62 @@ pub fn render(sql: &str, table: &TableName, publication: &str) -> String {
     out
 }
 
-/// Applies every migration (and the optional notify trigger) in one transaction.
+/// A digest of the schema objects a migration can create or change: relations, columns and
+/// their defaults, views, indexes, publications and their tables, functions and triggers. The
+/// files are idempotent, so this is how `migrate` tells a file that changed something from one
+/// already applied.
+const CATALOG_DIGEST: &str = "
+WITH ns AS (
+    SELECT oid FROM pg_namespace
+    WHERE nspname NOT IN ('pg_catalog', 'information_schema')
+      AND nspname NOT LIKE 'pg\\_toast%' AND nspname NOT LIKE 'pg\\_temp%'
+)
+SELECT md5(coalesce(string_agg(x, E'\\n' ORDER BY x), '')) FROM (
+    SELECT format('rel %s %s', c.oid::regclass, c.relkind) AS x
+        FROM pg_class c WHERE c.relnamespace IN (SELECT oid FROM ns)
+    UNION ALL
+    SELECT format('col %s.%s %s %s %s', a.attrelid::regclass, a.attname,
+                  format_type(a.atttypid, a.atttypmod), a.attnotnull, pg_get_expr(d.adbin, d.adrelid))
+        FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        WHERE a.attnum > 0 AND NOT a.attisdropped AND c.relnamespace IN (SELECT oid FROM ns)
+    UNION ALL
+    SELECT format('view %s %s', c.oid::regclass, pg_get_viewdef(c.oid))
+        FROM pg_class c WHERE c.relkind IN ('v', 'm') AND c.relnamespace IN (SELECT oid FROM ns)
+    UNION ALL
+    SELECT format('index %s', pg_get_indexdef(i.indexrelid))
+        FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+        WHERE c.relnamespace IN (SELECT oid FROM ns)
+    UNION ALL
+    SELECT format('pub %s %s %s %s %s', pubname, puballtables, pubinsert, pubupdate, pubdelete)
+        FROM pg_publication
+    UNION ALL
+    SELECT format('pubrel %s %s', p.pubname, r.prrelid::regclass)
+        FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
+    UNION ALL
+    SELECT format('fn %s %s', p.oid::regprocedure, md5(p.prosrc))
+        FROM pg_proc p WHERE p.pronamespace IN (SELECT oid FROM ns)
+    UNION ALL
+    SELECT format('trigger %s %s %s %s', t.tgrelid::regclass, t.tgname, t.tgenabled, t.tgfoid::regprocedure)
+        FROM pg_trigger t WHERE NOT t.tgisinternal
+) AS catalog";
+
+/// What `migrate` did with each file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub file: &'static str,
+    /// False when the file found everything in place and changed nothing.
+    pub changed: bool,
+}
+
+/// Applies every migration (and the optional notify trigger) in one transaction; says which
+/// ones changed the schema and which were already applied.
 pub async fn migrate(
     client: &mut tokio_postgres::Client,
     table: &TableName,
     publication: &str,
     notify_trigger: bool,
-) -> Result<(), MigrateError> {
+) -> Result<Vec<Applied>, MigrateError> {
     let tx = client
         .transaction()
         .await
@@ -123,20 +172,39 @@ pub async fn migrate(
         .await
         .map_err(MigrateError::Transaction)?;
     let optional = notify_trigger.then_some(&NOTIFY_TRIGGER);
+    let digest = |file: &'static str| {
+        let tx = &tx;
+        async move {
+            let row = tx
+                .query_one(CATALOG_DIGEST, &[])
+                .await
+                .map_err(|source| MigrateError::Sql { file, source })?;
+            Ok::<String, MigrateError>(row.get(0))
+        }
+    };
+    let mut applied = Vec::new();
     for (file, sql) in MIGRATIONS.iter().chain(optional) {
         let sql = render(&up_section(sql), table, publication);
+        let before = digest(file).await?;
         tx.batch_execute(&sql)
             .await
             .map_err(|source| MigrateError::Sql { file, source })?;
-        tracing::info!(file, "migration applied");
+        let changed = digest(file).await? != before;
+        if changed {
+            tracing::info!(file, "migration applied");
+        } else {
+            tracing::info!(file, "migration already applied: nothing to change");
+        }
+        applied.push(Applied { file, changed });
     }
-    tx.commit().await.map_err(MigrateError::Transaction)
+    tx.commit().await.map_err(MigrateError::Transaction)?;
+    Ok(applied)
 }
 
 /// `outbox-relay migrate`: applies the migrations, then logs what it did.
 pub async fn execute(args: &MigrateArgs) -> Result<(), CommandError> {
     let mut client = args.db.target()?.connect().await?;
-    migrate(
+    let applied = migrate(
         &mut client,
         &args.db.table,
         &args.db.publication,
@@ -144,7 +212,15 @@ pub async fn execute(args: &MigrateArgs) -> Result<(), CommandError> {
     )
     .await
     .map_err(CommandError::Migrate)?;
-    tracing::info!(table = %args.db.table, publication = %args.db.publication, "migrations applied");
+    let changed = applied.iter().filter(|a| a.changed).count();
+    tracing::info!(
+        table = %args.db.table,
+        publication = %args.db.publication,
+        applied = changed,
+        already_applied = applied.len() - changed,
+        "{}",
+        if changed == 0 { "schema up to date: nothing to change" } else { "migrations applied" }
+    );
     Ok(())
 }
 

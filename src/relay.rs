@@ -100,7 +100,12 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName)
             None => setup::ensure_slot(&client, &args.slot).await?,
             Some(url) => standby::ensure_slot(&client, &standby::target(url)?, &args.slot).await?,
         };
-        tracing::info!(slot = %args.slot, confirmed_flush = %slot.confirmed_flush, wal_status = ?slot.wal_status, "slot ready");
+        tracing::info!(
+            slot = %args.slot,
+            confirmed_flush = %slot.confirmed_flush,
+            wal_status = %slot.wal_status.as_deref().unwrap_or("unknown"),
+            "slot ready"
+        );
     }
     Ok((pg, sink, table))
 }
@@ -243,6 +248,13 @@ pub async fn run(
         }
         .run(background.clone()),
     );
+    if !args.log_summary_interval.is_zero() {
+        set.spawn(log_summaries(
+            metrics.clone(),
+            args.log_summary_interval,
+            background.clone(),
+        ));
+    }
     if let Some(older_than) = args.cleanup_older_than {
         set.spawn(crate::admin::periodic_cleanup(
             pool.clone(),
@@ -318,4 +330,37 @@ pub async fn run(
     }
     tracing::info!("relay stopped");
     result
+}
+
+/// Every `interval` until `shutdown`, one line at info on how delivery went since the last one
+/// (as Debezium's "records sent during previous ..."). It reads the metrics' atomics only, so
+/// the stream and the pollers never wait for it.
+async fn log_summaries(metrics: Arc<Metrics>, interval: Duration, shutdown: CancellationToken) {
+    let delivered = |m: &Metrics| m.published.get().saturating_add(m.poller_delivered.get());
+    let mut last = delivered(&metrics);
+    let mut since = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let now = tokio::time::Instant::now();
+        let total = delivered(&metrics);
+        let events = total.saturating_sub(last);
+        let secs = now.duration_since(since).as_secs_f64().max(0.001);
+        let per_sec = (events as f64 / secs * 10.0).round() / 10.0;
+        tracing::info!(
+            events,
+            events_per_sec = per_sec,
+            total,
+            lag_bytes = metrics.lag_bytes.get(),
+            inflight_batches = metrics.inflight_batches.get(),
+            unpublished = metrics.pending.get(),
+            dead_letters = metrics.dead_letters.get(),
+            "summary of the last {}s",
+            interval.as_secs_f64()
+        );
+        last = total;
+        since = now;
+    }
 }

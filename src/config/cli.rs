@@ -8,7 +8,7 @@ use super::parse::{
 use super::run::RunArgs;
 use super::valkey::ValkeyArgs;
 use super::ConfigError;
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 use std::time::Duration;
 
 /// outbox-relay: delivers transactional-outbox rows from PostgreSQL to Valkey as asynq tasks.
@@ -84,19 +84,16 @@ pub enum DeadLettersCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Make dead letters deliverable again (after fixing them).
+    /// Make dead letters deliverable again (after fixing them): `--all`, or `--event-id`.
+    #[command(group(ArgGroup::new("which").required(true).args(["all", "event_id"])))]
     Retry {
         #[command(flatten)]
         db: DatabaseArgs,
         /// Every dead letter.
-        #[arg(
-            long,
-            conflicts_with = "event_id",
-            required_unless_present = "event_id"
-        )]
+        #[arg(long, conflicts_with = "event_id")]
         all: bool,
-        /// Only these events (repeatable).
-        #[arg(long = "event-id", num_args = 1..)]
+        /// Only these events, by event id (a UUID; repeatable).
+        #[arg(long = "event-id", num_args = 1.., value_parser = crate::event_filter::parse_event_id)]
         event_id: Vec<String>,
     },
 }
@@ -111,6 +108,9 @@ pub struct CleanupArgs {
     /// Rows per DELETE.
     #[arg(long, default_value_t = 10_000, value_parser = parse_positive_usize)]
     pub batch: usize,
+    /// Count the rows that would be deleted, and delete nothing.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 #[derive(Debug, Clone, Args)]

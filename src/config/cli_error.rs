@@ -29,6 +29,9 @@ pub fn naming_the_env_var(e: &clap::Error) -> String {
     if e.kind() == ErrorKind::MissingRequiredArgument {
         // clap lists the missing arguments on lines of their own: keep it to one line.
         format!("{first} {} ({named})", args.join(", "))
+    } else if let Some(ContextValue::Strings(valid)) = e.get(ContextKind::ValidValue) {
+        // A refused choice: clap lists the valid ones on a line of their own.
+        format!("{first} ({named}; possible values: {})", valid.join(", "))
     } else {
         format!("{first} ({named})")
     }
@@ -48,4 +51,43 @@ fn env_of(cmd: &clap::Command, arg: &str) -> Option<String> {
         .find(|a| a.get_long() == Some(long))
         .and_then(|a| a.get_env())
         .map(|v| v.to_string_lossy().into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn error_of(args: &[&str]) -> String {
+        let e = Cli::try_parse_from(args).expect_err("should be refused");
+        naming_the_env_var(&e)
+    }
+
+    #[test]
+    fn a_refused_choice_lists_the_valid_ones() {
+        let e = error_of(&["outbox-relay", "--log-format", "yaml", "peek"]);
+        assert!(e.contains("OUTBOX_LOG_FORMAT"), "{e}");
+        assert!(e.contains("possible values: text, json"), "{e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+    }
+
+    #[test]
+    fn retry_without_a_choice_names_both() {
+        let e = error_of(&["outbox-relay", "dead-letters", "retry"]);
+        assert!(e.contains("--all") && e.contains("--event-id"), "{e}");
+    }
+
+    #[test]
+    fn an_event_id_must_be_a_uuid() {
+        let e = error_of(&[
+            "outbox-relay",
+            "dead-letters",
+            "retry",
+            "--database-url",
+            "postgres://h/d",
+            "--event-id",
+            "42",
+        ]);
+        assert!(e.contains("\"42\" is not an event id"), "{e}");
+    }
 }

@@ -10,10 +10,12 @@
 //! - [`database`]: where the outbox lives; [`valkey`]: how Valkey is reached.
 //! - [`secret`]: the one value-or-file secret type, and URLs with their password redacted.
 //! - [`parse`]: the value parsers (durations, sizes, identifiers, routes).
+//! - [`log`]: the log filter (`OUTBOX_LOG`, `RUST_LOG`), checked like the other settings.
 
 pub mod cli;
 pub mod cli_error;
 pub mod database;
+pub mod log;
 pub mod parse;
 pub mod run;
 pub mod secret;

@@ -5,46 +5,73 @@ use crate::pgoutput::TableName;
 use crate::task::QueueRoute;
 use std::time::Duration;
 
-/// Parses `500ms`, `30s`, `5m`, `24h`, `7d` (and combinations such as `1h30m`).
+/// Parses `500ms`, `30s`, `1.5s`, `5m`, `24h`, `7d` (and combinations such as `1h30m`).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     if s.is_empty() {
-        return Err("empty duration (use e.g. 500ms, 30s, 5m, 24h, 7d)".into());
+        return Err("empty duration (use e.g. 500ms, 1.5s, 30s, 5m, 24h, 7d)".into());
     }
     if s == "0" {
         return Ok(Duration::ZERO);
     }
-    let mut total = Duration::ZERO;
+    let mut nanos: u128 = 0;
     let mut rest = s;
     while !rest.is_empty() {
-        let digits = rest
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        if digits == 0 {
-            return Err(format!(
-                "{s:?} is not a duration (use e.g. 500ms, 30s, 5m, 24h, 7d)"
-            ));
-        }
-        let n: u64 = rest[..digits]
-            .parse()
-            .map_err(|_| format!("{s:?}: number too large"))?;
-        rest = &rest[digits..];
-        let unit_len = rest
+        let (whole, fraction, after) = split_number(rest).ok_or_else(|| {
+            format!("{s:?} is not a duration (use e.g. 500ms, 1.5s, 30s, 5m, 24h, 7d)")
+        })?;
+        let unit_len = after
             .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        let unit = match &rest[..unit_len] {
-            "ms" => Duration::from_millis(n),
-            "s" => Duration::from_secs(n),
-            "m" => Duration::from_secs(n.saturating_mul(60)),
-            "h" => Duration::from_secs(n.saturating_mul(3600)),
-            "d" => Duration::from_secs(n.saturating_mul(86_400)),
+            .unwrap_or(after.len());
+        let unit: u128 = match &after[..unit_len] {
+            "ms" => 1_000_000,
+            "s" => 1_000_000_000,
+            "m" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
+            "d" => 86_400_000_000_000,
             "" => return Err(format!("{s:?} needs a unit (ms, s, m, h, d)")),
             u => return Err(format!("{s:?} has unknown unit {u:?} (use ms, s, m, h, d)")),
         };
-        total = total.saturating_add(unit);
-        rest = &rest[unit_len..];
+        let n: u128 = whole
+            .parse()
+            .map_err(|_| format!("{s:?}: number too large"))?;
+        // Digits past the nanosecond cannot matter: at most 18 are read, so nothing overflows.
+        let digits = &fraction[..fraction.len().min(18)];
+        let scale = 10u128.pow(u32::try_from(digits.len()).unwrap_or(18));
+        let part: u128 = if digits.is_empty() {
+            0
+        } else {
+            digits.parse().map_err(|_| format!("{s:?}: bad fraction"))?
+        };
+        nanos = nanos
+            .saturating_add(n.saturating_mul(unit))
+            .saturating_add(part * unit / scale);
+        rest = &after[unit_len..];
     }
-    Ok(total)
+    let secs = u64::try_from(nanos / 1_000_000_000).unwrap_or(u64::MAX);
+    let sub = u32::try_from(nanos % 1_000_000_000).unwrap_or(0);
+    Ok(Duration::new(secs, sub))
+}
+
+/// `12.5ms` -> (`12`, `5`, `ms`): digits, then optionally a point and more digits. None when
+/// `s` does not start with a digit, or the point has no digit after it.
+fn split_number(s: &str) -> Option<(&str, &str, &str)> {
+    let end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    if end == 0 {
+        return None;
+    }
+    let (whole, rest) = s.split_at(end);
+    let Some(after_point) = rest.strip_prefix('.') else {
+        return Some((whole, "", rest));
+    };
+    let end = after_point
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(after_point.len());
+    if end == 0 {
+        return None;
+    }
+    let (fraction, rest) = after_point.split_at(end);
+    Some((whole, fraction, rest))
 }
 
 /// A duration greater than zero.
@@ -150,10 +177,35 @@ mod tests {
         );
         assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
         assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
-        for bad in ["", "5", "s", "5x", "-5s", "1.5s", "5 s"] {
+        for bad in [
+            "", "5", "s", "5x", "-5s", "5 s", "1.s", ".5s", "1.5", "1..5s",
+        ] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
+        assert!(parse_duration("5x")
+            .unwrap_err()
+            .contains("unknown unit \"x\""));
         assert!(parse_positive_duration("0s").is_err());
+    }
+
+    #[test]
+    fn durations_take_decimals() {
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(
+            parse_duration("1500ms").unwrap(),
+            Duration::from_millis(1500)
+        );
+        assert_eq!(parse_duration("0.25m").unwrap(), Duration::from_secs(15));
+        assert_eq!(
+            parse_duration("1.5h30m").unwrap(),
+            Duration::from_secs(7200)
+        );
+        assert_eq!(parse_duration("0.5ms").unwrap(), Duration::from_micros(500));
+        assert_eq!(
+            parse_duration("1.0000000000000000000001s").unwrap(),
+            Duration::from_secs(1)
+        );
+        assert!(parse_positive_duration("0.0s").is_err());
     }
 
     #[test]

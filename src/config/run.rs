@@ -117,6 +117,10 @@ pub struct RunArgs {
     /// How often pending rows, dead letters, slot lag and reachability are refreshed.
     #[arg(long, env = "OUTBOX_HEALTH_INTERVAL", default_value = "10s", value_parser = parse_positive_duration)]
     pub health_interval: Duration,
+    /// How often to log a one-line summary at info: events delivered, their rate, slot lag,
+    /// batches in flight, unpublished rows. `0`: never.
+    #[arg(long, env = "OUTBOX_LOG_SUMMARY_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub log_summary_interval: Duration,
     /// Emit a heartbeat through the slot this often (stream mode; unset: off). Keeps an idle
     /// slot advancing and lets a stalled stream be noticed.
     #[arg(long, env = "OUTBOX_HEARTBEAT_INTERVAL", value_parser = parse_positive_duration)]

@@ -119,6 +119,54 @@ fn read_secret_file(path: &str) -> Result<(PathBuf, String), String> {
     Ok((PathBuf::from(path), value))
 }
 
+/// The long flags that carry a secret (a password, or a URL that may hold one). On the command
+/// line they are visible to every user of the host (`ps`, `/proc/<pid>/cmdline`).
+pub const SECRET_FLAGS: &[&str] = &[
+    "database-url",
+    "valkey-url",
+    "valkey-password",
+    "valkey-sentinel-password",
+    "replication-url",
+];
+
+/// The secret flags `matches` got from the command line itself (not from their variables), in
+/// `cmd` and the subcommand that ran, each with the variables to use instead:
+/// `("--database-url", "OUTBOX_DATABASE_URL or OUTBOX_DATABASE_URL_FILE")`.
+pub fn secrets_on_command_line(
+    cmd: &clap::Command,
+    matches: &clap::ArgMatches,
+) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for arg in cmd.get_arguments() {
+        let Some(long) = arg.get_long().filter(|l| SECRET_FLAGS.contains(l)) else {
+            continue;
+        };
+        if matches.value_source(arg.get_id().as_str())
+            == Some(clap::parser::ValueSource::CommandLine)
+        {
+            let env = arg
+                .get_env()
+                .map_or(String::new(), |e| e.to_string_lossy().into_owned());
+            let file = format!("{env}_FILE");
+            let has_file = cmd
+                .get_arguments()
+                .any(|a| a.get_env().is_some_and(|e| e == file.as_str()));
+            let instead = if has_file {
+                format!("{env} or {file}")
+            } else {
+                env
+            };
+            out.push((format!("--{long}"), instead));
+        }
+    }
+    if let Some((name, sub_matches)) = matches.subcommand() {
+        if let Some(sub) = cmd.find_subcommand(name) {
+            out.extend(secrets_on_command_line(sub, sub_matches));
+        }
+    }
+    out
+}
+
 /// A URL with its password replaced by `***`, for messages: the password of the authority,
 /// and the `pass`/`password` query parameters (Unix-socket URLs carry it there).
 pub fn redact_url(url: &str) -> String {
@@ -194,5 +242,44 @@ mod tests {
             redact_url("redis+unix:///run/valkey.sock?db=2&pass=secret"),
             "redis+unix:///run/valkey.sock?db=2&pass=***"
         );
+    }
+
+    #[test]
+    fn secret_flags_on_the_command_line_are_found_but_not_their_variables() {
+        use clap::CommandFactory;
+        let cmd = crate::config::Cli::command();
+        let m = cmd
+            .clone()
+            .try_get_matches_from([
+                "outbox-relay",
+                "dead-letters",
+                "list",
+                "--database-url=postgres://u:pw@h/d",
+            ])
+            .unwrap();
+        assert_eq!(
+            secrets_on_command_line(&cmd, &m),
+            [(
+                "--database-url".to_owned(),
+                "OUTBOX_DATABASE_URL or OUTBOX_DATABASE_URL_FILE".to_owned()
+            )]
+        );
+        let m = cmd
+            .clone()
+            .try_get_matches_from([
+                "outbox-relay",
+                "peek",
+                "--valkey-password",
+                "pw",
+                "--queue",
+                "q",
+            ])
+            .unwrap();
+        assert_eq!(secrets_on_command_line(&cmd, &m).len(), 1);
+        let m = cmd
+            .clone()
+            .try_get_matches_from(["outbox-relay", "peek", "--valkey-addr", "h:1"])
+            .unwrap();
+        assert!(secrets_on_command_line(&cmd, &m).is_empty());
     }
 }

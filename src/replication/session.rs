@@ -329,7 +329,7 @@ impl<'a, S: Sink> Session<'a, S> {
                     if !missing.is_empty() {
                         tracing::error!(
                             table = %self.cx.settings.table,
-                            missing = ?missing.iter().map(|c| c.name()).collect::<Vec<_>>(),
+                            missing = %missing.iter().map(|c| c.name()).collect::<Vec<_>>().join(", "),
                             "the outbox table lost required columns: its rows cannot become tasks \
                              and stay unpublished until the table is fixed"
                         );

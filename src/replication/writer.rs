@@ -194,8 +194,11 @@ impl<S: Sink> Writer<S> {
         outcome: WriteOutcome,
     ) -> Result<WriterEvent, InvariantViolation> {
         let front = self.unconfirmed.front().map(|(s, _)| *s);
-        ensure(front == Some(seq), || {
-            format!("the sink confirmed batch {seq}, but the oldest unconfirmed is {front:?}")
+        ensure(front == Some(seq), || match front {
+            Some(front) => {
+                format!("the sink confirmed batch {seq}, but the oldest unconfirmed is {front}")
+            }
+            None => format!("the sink confirmed batch {seq}, but none is unconfirmed"),
         })?;
         let (_, batch) = self.unconfirmed.pop_front().expect("checked above");
         let answered = outcome.delivered() + outcome.rejected.len();

@@ -304,4 +304,23 @@ impl Store {
             .execute(&sql, &[&older_than.as_secs_f64(), &limit])
             .await
     }
+
+    /// How many rows [`delete_published`](Self::delete_published) would delete, all batches
+    /// together (`cleanup --dry-run`).
+    pub async fn count_published(
+        &self,
+        client: &impl GenericClient,
+        older_than: Duration,
+    ) -> Result<u64, tokio_postgres::Error> {
+        let t = self.table.sql();
+        let sql = format!(
+            "SELECT count(*) FROM {t} WHERE published_at IS NOT NULL \
+             AND published_at < now() - make_interval(secs => $1)"
+        );
+        let n: i64 = client
+            .query_one(&sql, &[&older_than.as_secs_f64()])
+            .await?
+            .get(0);
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
 }

@@ -149,12 +149,12 @@ impl Relay {
     }
 }
 
-/// The relay binary, with none of the caller's `OUTBOX_*`/`VALKEY_*` variables.
+/// The relay binary, with none of the caller's `OUTBOX_*`/`VALKEY_*` variables, nor `RUST_LOG`.
 pub fn relay_command() -> std::process::Command {
     let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
     for (k, _) in std::env::vars_os() {
         let name = k.to_string_lossy();
-        if name.starts_with("OUTBOX_") || name.starts_with("VALKEY_") {
+        if name.starts_with("OUTBOX_") || name.starts_with("VALKEY_") || name == "RUST_LOG" {
             c.env_remove(&k);
         }
     }
