@@ -25,7 +25,12 @@ root=$PWD
 # The repository's target directory: the mutants share its compiled dependencies.
 target=${CARGO_TARGET_DIR:-$root/target}
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# A mutant's build replaces target/release/examples/simulate, and cargo, finding the real
+# package's own build fresh, would not put the real binary back: keep it and restore it.
+cargo build --release --locked --quiet --example simulate
+real="$target/release/examples/simulate"
+cp "$real" "$work/real.simulate"
+trap 'cp "$work/real.simulate" "$real"; rm -rf "$work"' EXIT
 
 status=0
 for patch in tests/sim/mutants/*.patch; do
@@ -70,6 +75,4 @@ for patch in tests/sim/mutants/*.patch; do
         ;;
     esac
 done
-# The mutants' binary replaced the real one: leave the real one built.
-cargo build --release --locked --quiet --example simulate
 exit "$status"
