@@ -1,6 +1,6 @@
 //! The invariants, checked as the simulation runs:
 //! - at every acknowledgement (when the relay hands a position to its connection, and when the
-//!   slot's confirmed position moves): it never passes a commit one of whose rows has no task, unless the row cannot become one (a bad row) or Valkey refused it for good
+//!   slot's confirmed position moves): it never passes a commit one of whose rows has no task, unless the row cannot become one (a bad row) or Valkey refused a stream's write of it for good
 //!   (both stay unpublished for the poller);
 //! - at every mark: no row is marked or deleted before its task exists, and no bad row is;
 //! - at the end, once faults stopped: every committed row ends with exactly one task and is
@@ -82,12 +82,13 @@ impl Checker {
         self.valkey.exists(&r.queue, &r.event_id)
     }
 
-    fn refused(&self, r: &Row) -> bool {
+    /// A stream's write was refused this row's task: the stream may acknowledge past it.
+    fn refused_to_stream(&self, r: &Row) -> bool {
         self.valkey
             .st
             .lock()
             .unwrap()
-            .rejected
+            .rejected_to_stream
             .contains(&r.event_id)
     }
 
@@ -104,7 +105,7 @@ impl Checker {
             }
             for id in &txn.rows {
                 let r = &st.rows[id];
-                if r.good && !self.has_task(r) && !self.refused(r) {
+                if r.good && !self.has_task(r) && !self.refused_to_stream(r) {
                     inner.violations.push(format!(
                         "acknowledged {lsn} past commit {} whose row {} ({}, queue {}) has no task",
                         txn.end_lsn, r.id, r.event_id, r.queue

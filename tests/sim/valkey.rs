@@ -46,6 +46,9 @@ pub struct State {
     pub created: Vec<Created>,
     /// Ids a write answered as rejected.
     pub rejected: BTreeSet<String>,
+    /// Ids a stream's write answered as rejected: the only refusals that let a stream
+    /// acknowledge past a row without its task.
+    pub rejected_to_stream: BTreeSet<String>,
     // Faults.
     /// Writes fail (connection refused) until then.
     pub down_until: Option<Instant>,
@@ -362,6 +365,9 @@ fn apply_inner(
         if st.rejecting.get(*queue).is_some_and(|t| *t > now) {
             for &i in idx {
                 st.rejected.insert(batch.tasks[i].id.clone());
+                if matches!(by, Writer::Stream(_)) {
+                    st.rejected_to_stream.insert(batch.tasks[i].id.clone());
+                }
                 out.rejected.push(Rejected {
                     index: i,
                     reason: format!("WRONGTYPE (simulated) on queue {queue}"),
