@@ -19,10 +19,19 @@ pub struct Health {
     unseen: Mutex<VecDeque<(u64, Instant)>>,
     /// The newest heartbeat LSN the stream delivered.
     seen: AtomicU64,
-    /// Since when every Valkey write has failed (`None`: the last one succeeded). A Valkey
-    /// that answers PING but refuses writes (maxmemory with noeviction, a replica) would
-    /// otherwise look healthy.
-    writes_failing_since: Mutex<Option<Instant>>,
+    /// Per writer (the stream, the pollers), since when its every Valkey write has failed
+    /// (`None`: its last one succeeded). A Valkey that answers PING but refuses writes
+    /// (maxmemory with noeviction, a replica) would otherwise look healthy; and one writer's
+    /// successes do not hide the other's failures (a stream stuck on one shard while the
+    /// poller delivers to the others).
+    writes_failing_since: [Mutex<Option<Instant>>; 2],
+}
+
+/// Who wrote to Valkey, for readiness.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Writer {
+    Stream = 0,
+    Poller = 1,
 }
 
 /// Valkey writes failing without a success for this long make `/readyz` report not ready
@@ -48,25 +57,32 @@ impl Health {
         self.running.store(running, Ordering::Relaxed);
     }
 
-    /// A Valkey write failed (it is retried).
-    pub fn write_failed(&self) {
-        self.write_failed_at(Instant::now());
+    /// A Valkey write of `by` failed (it is retried).
+    pub fn write_failed(&self, by: Writer) {
+        self.write_failed_at(by, Instant::now());
     }
 
-    fn write_failed_at(&self, now: Instant) {
-        let mut since = self.writes_failing_since.lock().expect("health lock");
+    fn write_failed_at(&self, by: Writer, now: Instant) {
+        let mut since = self.writes_failing_since[by as usize]
+            .lock()
+            .expect("health lock");
         since.get_or_insert(now);
     }
 
-    /// A Valkey write succeeded.
-    pub fn write_succeeded(&self) {
-        *self.writes_failing_since.lock().expect("health lock") = None;
+    /// A Valkey write of `by` succeeded.
+    pub fn write_succeeded(&self, by: Writer) {
+        *self.writes_failing_since[by as usize]
+            .lock()
+            .expect("health lock") = None;
     }
 
-    /// How long Valkey writes have failed without one succeeding, at `now`.
+    /// How long some writer's Valkey writes have failed without one succeeding, at `now`.
     fn writes_failing_for(&self, now: Instant) -> Option<Duration> {
-        let since = *self.writes_failing_since.lock().expect("health lock");
-        since.map(|s| now.saturating_duration_since(s))
+        self.writes_failing_since
+            .iter()
+            .filter_map(|since| *since.lock().expect("health lock"))
+            .map(|s| now.saturating_duration_since(s))
+            .max()
     }
 
     /// A heartbeat message was written at `lsn`.
@@ -156,19 +172,22 @@ mod tests {
         h.set_postgres(true);
         h.set_valkey(true);
         let t0 = Instant::now();
-        h.write_failed_at(t0);
+        h.write_failed_at(Writer::Stream, t0);
         assert!(
             h.ready_at(t0, false, false).is_ok(),
             "one failure is retried"
         );
         // Later failures do not move the start of the failing period.
-        h.write_failed_at(t0 + WRITES_FAILING_NOT_READY / 2);
+        h.write_failed_at(Writer::Stream, t0 + WRITES_FAILING_NOT_READY / 2);
         let late = t0 + WRITES_FAILING_NOT_READY;
         assert_eq!(
             h.ready_at(late, false, false).unwrap_err(),
             vec!["valkey writes failing (none succeeded for 30 s)"]
         );
-        h.write_succeeded();
+        // The poller delivering to healthy queues does not hide the stream's failures.
+        h.write_succeeded(Writer::Poller);
+        assert!(h.ready_at(late, false, false).is_err());
+        h.write_succeeded(Writer::Stream);
         assert!(h.ready_at(late, false, false).is_ok());
     }
 

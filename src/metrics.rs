@@ -320,14 +320,14 @@ impl Metrics {
 
     /// A Valkey write failed (it is retried): counted, and `/readyz` turns not ready when
     /// writes keep failing (see [`crate::health::WRITES_FAILING_NOT_READY`]).
-    pub fn valkey_write_failed(&self) {
+    pub fn valkey_write_failed(&self, by: crate::health::Writer) {
         self.write_errors.inc();
-        self.health.write_failed();
+        self.health.write_failed(by);
     }
 
     /// A Valkey write succeeded.
-    pub fn valkey_write_succeeded(&self) {
-        self.health.write_succeeded();
+    pub fn valkey_write_succeeded(&self, by: crate::health::Writer) {
+        self.health.write_succeeded(by);
     }
 
     /// Counts a row that could not become a task.

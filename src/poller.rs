@@ -14,6 +14,7 @@ use crate::backoff::Backoff;
 use crate::error_chain::error_chain;
 use crate::metrics::Metrics;
 use crate::postgres::{PgError, PgTarget};
+use crate::replication::invariant::InvariantViolation;
 use crate::sink::{Batch, Sink, SinkError};
 use crate::store::{OutboxTable, OutboxTx, StoreError};
 use crate::task::TaskSettings;
@@ -36,6 +37,9 @@ pub struct PollerSettings {
     pub max_attempts: i32,
     /// First retry delay of a failed row; doubles per attempt (at most an hour).
     pub attempt_backoff: Duration,
+    /// A write unanswered this long has failed (the stream's writer uses the same): the
+    /// round ends, its row locks go, and the connection is reset.
+    pub write_timeout: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +48,9 @@ pub enum PollerError {
     Store(#[from] StoreError),
     #[error("valkey write failed")]
     Sink(#[source] SinkError),
+    /// The sink's answer did not account for every task: nothing of the round is marked.
+    #[error(transparent)]
+    Invariant(#[from] InvariantViolation),
 }
 
 /// First delay after a failed round, and the cap of the doubling delays (the Go kit's).
@@ -94,7 +101,8 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                     let delay = backoff.next_delay();
                     if let PollerError::Sink(_) = e {
                         // In poll mode this is the only Valkey writer.
-                        self.metrics.valkey_write_failed();
+                        self.metrics
+                            .valkey_write_failed(crate::health::Writer::Poller);
                     }
                     self.metrics.poller_errors.inc();
                     tracing::warn!(
@@ -166,9 +174,21 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
             for (_, task) in chunk {
                 batch.push(task.clone());
             }
-            let outcome = match self.sink.write(Arc::new(batch)).await {
+            let limit = s.write_timeout;
+            let written = match tokio::time::timeout(limit, self.sink.write(Arc::new(batch))).await
+            {
+                Ok(r) => r,
+                Err(_) => Err(SinkError::Timeout(limit)),
+            };
+            if let Err(e) = &written {
+                if e.poisons_connection() {
+                    self.sink.reset();
+                }
+            }
+            let outcome = match written {
                 Ok(o) => {
-                    self.metrics.valkey_write_succeeded();
+                    self.metrics
+                        .valkey_write_succeeded(crate::health::Writer::Poller);
                     o
                 }
                 Err(e) => {
@@ -176,6 +196,11 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                     break;
                 }
             };
+            // As the stream's writer does: an answer that does not account for every task
+            // ends the round unmarked (the rows are claimed again; TaskIDs dedupe).
+            if let Err(why) = outcome.accounts_for(chunk.len()) {
+                return Err(InvariantViolation(format!("poll round: {why}")).into());
+            }
             self.metrics.published.inc_by(outcome.delivered() as u64);
             self.metrics.duplicates.inc_by(outcome.duplicates as u64);
             self.metrics

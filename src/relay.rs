@@ -216,6 +216,7 @@ pub async fn run(
             recovery_grace: (args.mode == Mode::Stream).then_some(args.recovery_grace),
             max_attempts: args.max_attempts,
             attempt_backoff: args.attempt_backoff,
+            write_timeout: args.valkey.valkey_timeout * WRITE_TIMEOUT_FACTOR,
         };
         for _ in 0..args.pollers {
             let poller = Poller {

@@ -227,3 +227,77 @@ async fn tls_cluster_with_a_ca_file_and_a_client_certificate() {
         "{msg}"
     );
 }
+
+/// Two writes through one cluster sink over the same eight queues, issued at the same moment on
+/// two threads (as the stream and a poller on two worker threads can): each takes its
+/// per-queue tickets (src/sink/queue_turns.rs) all at once, so neither can hold an earlier
+/// ticket on one queue and a later one on another and wait for the other for ever. Found by
+/// review with tickets taken one queue at a time: a deadlock at round 1,772 of such pairs. A
+/// pair that does not end within the patience bound fails the test.
+#[test]
+fn writes_issued_at_the_same_moment_on_two_threads_never_wait_for_each_other() {
+    use outbox_relay::sink::valkey::ValkeySink;
+    use outbox_relay::sink::{Batch, Sink};
+    use outbox_relay::task::Task;
+    use outbox_relay::valkey::{Topology, ValkeyTarget};
+    use std::sync::{Arc, Barrier};
+    use std::time::Duration;
+
+    const QUEUES: [&str; 8] = ["q0", "q1", "q2", "q3", "q4", "q5", "q6", "q7"];
+    /// The queues in another order for each writer, so their tickets would cross.
+    fn batch(rotate: usize) -> Arc<Batch> {
+        let mut b = Batch::default();
+        for k in 0..QUEUES.len() {
+            b.push(Task {
+                queue: Arc::from(QUEUES[(k + rotate) % QUEUES.len()]),
+                id: uuid::Uuid::new_v4().to_string(),
+                msg: b"x".to_vec(),
+                row_id: None,
+            });
+        }
+        Arc::new(b)
+    }
+
+    let cluster = ValkeyCluster::start();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let sink = rt.block_on(async {
+        let target = ValkeyTarget::new(
+            &cluster.urls,
+            &Topology::Cluster,
+            Duration::from_secs(5),
+            None,
+        )
+        .unwrap();
+        ValkeySink::connect(target).await.expect("connect")
+    });
+    for round in 0..2000 {
+        let barrier = Arc::new(Barrier::new(2));
+        let issue = |rotate: usize| {
+            // Leaked: the trait's `write` future borrows the sink (edition 2021 capture rules).
+            let sink: &'static ValkeySink = Box::leak(Box::new(sink.clone()));
+            let barrier = barrier.clone();
+            let handle = rt.handle().clone();
+            std::thread::spawn(move || {
+                let _runtime = handle.enter();
+                let b = batch(rotate);
+                barrier.wait();
+                sink.write(b)
+            })
+        };
+        let (w, p) = (issue(0), issue(3));
+        let (w, p) = (w.join().unwrap(), p.join().unwrap());
+        let both = rt
+            .block_on(async { tokio::time::timeout(PATIENCE, futures::future::join(w, p)).await });
+        match both {
+            Ok((a, b)) => {
+                a.expect("write");
+                b.expect("write");
+            }
+            Err(_) => panic!("round {round}: two writes issued at once never ended"),
+        }
+    }
+}

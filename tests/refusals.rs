@@ -14,7 +14,7 @@ use common::*;
 use outbox_relay::metrics::Metrics;
 use outbox_relay::poller::{Poller, PollerSettings};
 use outbox_relay::sink::valkey::ValkeySink;
-use outbox_relay::sink::{Batch, Sink};
+use outbox_relay::sink::{Batch, Sink, SinkError};
 use outbox_relay::store::{ClaimedRow, OutboxTable, OutboxTx, StoreError};
 use outbox_relay::task::{PayloadFormat, QueueRoute, TaskSettings};
 use std::sync::{Arc, Mutex};
@@ -175,6 +175,7 @@ async fn a_poll_round_never_marks_a_refused_row_published() {
             recovery_grace: None,
             max_attempts: 3,
             attempt_backoff: Duration::from_millis(200),
+            write_timeout: Duration::from_secs(1),
         },
         tasks: Arc::new(task_settings()),
         sink,
@@ -205,4 +206,57 @@ async fn a_poll_round_never_marks_a_refused_row_published() {
         vec![1, 2, 3],
         "each refused row records a failed attempt"
     );
+}
+
+/// A sink whose answer does not account for every task of a write.
+#[derive(Clone)]
+struct MiscountingSink;
+
+impl Sink for MiscountingSink {
+    fn write(
+        &self,
+        batch: Arc<Batch>,
+    ) -> impl std::future::Future<Output = Result<outbox_relay::sink::WriteOutcome, SinkError>>
+           + Send
+           + 'static {
+        let n = batch.len();
+        async move {
+            Ok(outbox_relay::sink::WriteOutcome {
+                enqueued: n - 1,
+                ..Default::default()
+            })
+        }
+    }
+}
+
+/// As the stream's writer does, a poll round refuses an answer that does not account for every
+/// task: it ends without marking anything, since every task the answer does not name refused
+/// would be marked delivered.
+#[tokio::test]
+async fn a_poll_round_marks_nothing_on_an_answer_that_misses_a_task() {
+    let table = MemTable::default();
+    let poller = Poller {
+        table: table.clone(),
+        settings: PollerSettings {
+            batch_size: 10,
+            chunk_size: 10,
+            poll_interval: Duration::from_millis(200),
+            recovery_grace: None,
+            max_attempts: 3,
+            attempt_backoff: Duration::from_millis(200),
+            write_timeout: Duration::from_secs(1),
+        },
+        tasks: Arc::new(task_settings()),
+        sink: MiscountingSink,
+        metrics: Arc::new(Metrics::new(
+            &mut prometheus_client::registry::Registry::default(),
+        )),
+        wake: Arc::default(),
+    };
+    let err = poller.round().await.expect_err("the round must fail");
+    assert!(
+        err.to_string().contains("answered for 2 of 3 tasks"),
+        "{err}"
+    );
+    assert!(table.published.lock().unwrap().is_empty());
 }

@@ -178,7 +178,8 @@ impl<S: Sink> Writer<S> {
                     }
                     let retry_in = self.backoff.next_delay();
                     self.retry_at = Some(Instant::now() + retry_in);
-                    self.metrics.valkey_write_failed();
+                    self.metrics
+                        .valkey_write_failed(crate::health::Writer::Stream);
                     self.failing = true;
                     return Ok(WriterEvent::Failed { error, retry_in });
                 }
@@ -201,31 +202,16 @@ impl<S: Sink> Writer<S> {
             None => format!("the sink confirmed batch {seq}, but none is unconfirmed"),
         })?;
         let (_, batch) = self.unconfirmed.pop_front().expect("checked above");
-        let answered = outcome.delivered() + outcome.rejected.len();
-        ensure(answered == batch.len(), || {
-            format!(
-                "the sink answered for {answered} tasks of batch {seq}, which has {}",
-                batch.len()
-            )
-        })?;
-        // Each refused task named once, within the batch (in any order): the marker leaves
-        // exactly these rows unpublished.
-        let refused = outcome.refused(batch.len());
-        ensure(
-            refused.iter().filter(|r| **r).count() == outcome.rejected.len(),
-            || {
-                format!(
-                    "the sink's refusals for batch {seq} name tasks twice or outside its {} \
-                     tasks: {:?}",
-                    batch.len(),
-                    outcome.rejected.iter().map(|r| r.index).collect::<Vec<_>>()
-                )
-            },
-        )?;
+        // Every task delivered or refused, each refused task named once, within the batch:
+        // the marker marks every task not named refused.
+        if let Err(why) = outcome.accounts_for(batch.len()) {
+            ensure(false, || format!("batch {seq}: {why}"))?;
+        }
         self.bytes -= batch.bytes;
         self.gauges();
         self.backoff.reset();
-        self.metrics.valkey_write_succeeded();
+        self.metrics
+            .valkey_write_succeeded(crate::health::Writer::Stream);
         if std::mem::take(&mut self.failing) {
             self.metrics
                 .reconnects

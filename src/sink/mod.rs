@@ -74,8 +74,25 @@ impl WriteOutcome {
         self.enqueued + self.duplicates
     }
 
+    /// Whether this answers for a batch of `len` tasks: every task delivered or refused, each
+    /// refused task named once and within the batch. Both the stream's writer and the poller
+    /// refuse an answer that does not (they mark every task not named refused as delivered).
+    pub fn accounts_for(&self, len: usize) -> Result<(), String> {
+        let answered = self.delivered() + self.rejected.len();
+        if answered != len {
+            return Err(format!("the sink answered for {answered} of {len} tasks"));
+        }
+        if self.refused(len).iter().filter(|r| **r).count() != self.rejected.len() {
+            return Err(format!(
+                "the sink's refusals name tasks twice or outside the {len} tasks: {:?}",
+                self.rejected.iter().map(|r| r.index).collect::<Vec<_>>()
+            ));
+        }
+        Ok(())
+    }
+
     /// For a batch of `len` tasks, which were refused: `refused[i]` for task `i`. An index out
-    /// of range is ignored here; the writer refuses such an answer (an invariant).
+    /// of range is ignored here; [`accounts_for`](Self::accounts_for) refuses such an answer.
     pub fn refused(&self, len: usize) -> Vec<bool> {
         let mut refused = vec![false; len];
         for r in &self.rejected {

@@ -6,12 +6,19 @@
 //! 1.8's cluster connection runs them as a set of futures (`FuturesUnordered`), each getting its
 //! node's connection before it sends, so a later request to the same node can go first. Two batches of the same queue in
 //! flight could then land in the wrong order. So each write takes a ticket per queue when it is
-//! issued (synchronously, in the writer's order), sends a queue's pipeline only when that
-//! queue's earlier tickets are done, and gives its tickets back when it ends or is dropped (a
-//! write abandoned after a failure or a timeout never blocks the ones after it). Queues do not
-//! wait for each other: a ticket waits only for tickets of its own queue.
+//! issued (synchronously, in the writer's order, all of its queues at once), sends a queue's
+//! pipeline only when that queue's earlier tickets are done, and gives a queue's ticket back as
+//! soon as that queue's pipeline has landed (or when the write ends or is dropped: a write
+//! abandoned after a failure or a timeout never blocks the ones after it).
+//!
+//! Taking a write's tickets at once matters: two writes issued together on two threads (the
+//! stream and a poller) that took theirs one queue at a time could each hold an earlier ticket
+//! on one queue and a later one on another, and wait on each other for ever (found by review,
+//! on a real cluster). Taken under one lock, any two writes are in the same order on every
+//! queue they share.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
@@ -37,29 +44,37 @@ pub struct QueueTurns {
     shared: Arc<Shared>,
 }
 
-/// One queue's place in line; the turn is given back when it is dropped.
+/// One queue's place in line; the turn is given back by [`Ticket::done`] or when it is
+/// dropped.
 pub struct Ticket {
     shared: Arc<Shared>,
     queue: Arc<str>,
     number: u64,
+    given_back: AtomicBool,
 }
 
 impl QueueTurns {
-    /// Takes the next ticket of `queue`.
-    pub fn ticket(&self, queue: &str) -> Ticket {
+    /// Takes the next ticket of each of `queues` (distinct names), all under one lock.
+    pub fn tickets<'q>(&self, queues: impl IntoIterator<Item = &'q str>) -> Vec<Ticket> {
         let mut lines = self.shared.lines.lock().expect("queue turns lock");
-        let queue: Arc<str> = match lines.get_key_value(queue) {
-            Some((name, _)) => name.clone(),
-            None => Arc::from(queue),
-        };
-        let line = lines.entry(queue.clone()).or_default();
-        let number = line.next;
-        line.next += 1;
-        Ticket {
-            shared: self.shared.clone(),
-            queue,
-            number,
-        }
+        queues
+            .into_iter()
+            .map(|queue| {
+                let queue: Arc<str> = match lines.get_key_value(queue) {
+                    Some((name, _)) => name.clone(),
+                    None => Arc::from(queue),
+                };
+                let line = lines.entry(queue.clone()).or_default();
+                let number = line.next;
+                line.next += 1;
+                Ticket {
+                    shared: self.shared.clone(),
+                    queue,
+                    number,
+                    given_back: AtomicBool::new(false),
+                }
+            })
+            .collect()
     }
 }
 
@@ -82,16 +97,12 @@ impl Ticket {
         }
     }
 
-    fn serving(&self) -> bool {
-        let lines = self.shared.lines.lock().expect("queue turns lock");
-        lines
-            .get(&self.queue)
-            .is_some_and(|line| line.serving == self.number)
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
+    /// Gives the turn back now (the queue's pipeline landed); later calls and the drop do
+    /// nothing more.
+    pub fn done(&self) {
+        if self.given_back.swap(true, Ordering::AcqRel) {
+            return;
+        }
         let mut lines = self.shared.lines.lock().expect("queue turns lock");
         if let Some(line) = lines.get_mut(&self.queue) {
             if line.serving == self.number {
@@ -106,6 +117,19 @@ impl Drop for Ticket {
         drop(lines);
         self.shared.changed.notify_waiters();
     }
+
+    fn serving(&self) -> bool {
+        let lines = self.shared.lines.lock().expect("queue turns lock");
+        lines
+            .get(&self.queue)
+            .is_some_and(|line| line.serving == self.number)
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.done();
+    }
 }
 
 #[cfg(test)]
@@ -116,9 +140,9 @@ mod tests {
     #[tokio::test]
     async fn a_queue_turns_in_ticket_order_and_queues_do_not_wait_for_each_other() {
         let turns = QueueTurns::default();
-        let a1 = turns.ticket("a");
-        let a2 = turns.ticket("a");
-        let b1 = turns.ticket("b");
+        let a1 = turns.tickets(["a"]).pop().unwrap();
+        let a2 = turns.tickets(["a"]).pop().unwrap();
+        let b1 = turns.tickets(["b"]).pop().unwrap();
         assert!(
             a1.turn().now_or_never().is_some(),
             "the first ticket goes at once"
@@ -141,9 +165,9 @@ mod tests {
     #[tokio::test]
     async fn a_ticket_dropped_while_waiting_does_not_block_the_ones_after_it() {
         let turns = QueueTurns::default();
-        let first = turns.ticket("q");
-        let abandoned = turns.ticket("q");
-        let third = turns.ticket("q");
+        let first = turns.tickets(["q"]).pop().unwrap();
+        let abandoned = turns.tickets(["q"]).pop().unwrap();
+        let third = turns.tickets(["q"]).pop().unwrap();
         drop(abandoned);
         assert!(third.turn().now_or_never().is_none());
         drop(first);
@@ -151,5 +175,37 @@ mod tests {
             third.turn().now_or_never().is_some(),
             "the third goes once the first is done, the second being gone"
         );
+    }
+
+    /// Two writes over the same two queues, issued together: whichever took its tickets first
+    /// is first on both queues, so neither waits for the other on one queue while holding the
+    /// other (the deadlock review found with one-at-a-time tickets).
+    #[tokio::test]
+    async fn two_writes_on_the_same_queues_are_in_one_order_on_both() {
+        let turns = QueueTurns::default();
+        let w = turns.tickets(["a", "b"]);
+        let p = turns.tickets(["b", "a"]);
+        for t in &w {
+            assert!(
+                t.turn().now_or_never().is_some(),
+                "the first write goes on {}",
+                t.queue()
+            );
+        }
+        for t in &p {
+            assert!(
+                t.turn().now_or_never().is_none(),
+                "the second waits on {}",
+                t.queue()
+            );
+        }
+        // The first write's queue b lands: the second may send b while a is still out.
+        w.iter().find(|t| t.queue() == "b").unwrap().done();
+        let pb = p.iter().find(|t| t.queue() == "b").unwrap();
+        let pa = p.iter().find(|t| t.queue() == "a").unwrap();
+        assert!(pb.turn().now_or_never().is_some());
+        assert!(pa.turn().now_or_never().is_none());
+        drop(w);
+        assert!(pa.turn().now_or_never().is_some());
     }
 }

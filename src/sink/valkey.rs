@@ -324,7 +324,24 @@ impl ValkeySink {
                 if let Some(ticket) = ticket {
                     ticket.turn().await;
                 }
-                pipe.query_async::<Vec<Value>>(&mut conn).await
+                let replies = pipe.query_async::<Vec<Value>>(&mut conn).await;
+                // Landed, every reply final (a task written, or refused for good): the queue's
+                // next write may go. A reply to retry (NOSCRIPT, OOM...) or a failed pipeline
+                // keeps the turn until this write ends, so its re-send still goes first.
+                let landed = replies.as_ref().is_ok_and(|r| {
+                    r.iter().all(|v| match v {
+                        Value::ServerError(_) => v
+                            .clone()
+                            .extract_error()
+                            .err()
+                            .is_some_and(|e| refusal(&e) == Refusal::Reject),
+                        _ => true,
+                    })
+                });
+                if let (true, Some(ticket)) = (landed, ticket) {
+                    ticket.done();
+                }
+                replies
             }
         }));
         let (registered, written) = futures::future::join(register, writes).await;
@@ -363,10 +380,8 @@ impl Sink for ValkeySink {
         // Taken now, in the order the writer issues its writes, and held until this write ends
         // (its NOSCRIPT retry included) or is dropped.
         let turns: Vec<Ticket> = if self.conn.is_cluster() {
-            by_queue(&batch.tasks)
-                .iter()
-                .map(|(q, _)| self.turns.ticket(q))
-                .collect()
+            self.turns
+                .tickets(by_queue(&batch.tasks).iter().map(|(q, _)| *q))
         } else {
             Vec::new()
         };

@@ -232,6 +232,7 @@ impl World {
                 recovery_grace: Some(GRACE),
                 max_attempts: 3,
                 attempt_backoff: Duration::from_millis(200),
+                write_timeout: Duration::from_secs(1),
             },
             tasks: self.tasks.clone(),
             sink: self.valkey.sink(Writer::Poller(idx)),
