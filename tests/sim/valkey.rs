@@ -243,7 +243,9 @@ impl Sink for SimSink {
             };
             tokio::time::sleep_until(arrives).await;
             // A hanging server holds the write; the connection's later commands wait behind
-            // it (each released after the one before), even when the server recovers meanwhile.
+            // it (each released after the one before, a millisecond apart: tokio's timer fires
+            // deadlines within one millisecond in no set order), even when the server recovers
+            // meanwhile.
             let release = {
                 let mut st = server.st.lock().unwrap();
                 let now = Instant::now();
@@ -252,7 +254,7 @@ impl Sink for SimSink {
                     .released
                     .get(&lane)
                     .filter(|t| **t >= now)
-                    .map(|t| *t + Duration::from_micros(1));
+                    .map(|t| *t + Duration::from_millis(1));
                 let hang = st.hang_until.filter(|t| *t > now);
                 let release = match (hang, behind) {
                     (Some(h), Some(b)) => Some(h.max(b)),
