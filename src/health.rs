@@ -76,6 +76,11 @@ impl Health {
             .expect("health lock") = None;
     }
 
+    /// Whether some writer's last Valkey write failed (and nothing cleared it since).
+    pub fn writes_failing(&self) -> bool {
+        self.writes_failing_for(Instant::now()).is_some()
+    }
+
     /// How long some writer's Valkey writes have failed without one succeeding, at `now`.
     fn writes_failing_for(&self, now: Instant) -> Option<Duration> {
         self.writes_failing_since

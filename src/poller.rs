@@ -91,6 +91,11 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
             let delay = match self.round().await {
                 Ok(out) => {
                     backoff.reset();
+                    // A round that ended well clears the pollers' failing writes, also when it
+                    // had nothing to write (the rows it failed on were delivered by the stream
+                    // meanwhile): otherwise one old failure would keep /readyz not ready.
+                    self.metrics
+                        .valkey_write_succeeded(crate::health::Writer::Poller);
                     self.metrics.poller_rounds.inc();
                     if out.claimed >= self.settings.batch_size {
                         continue;

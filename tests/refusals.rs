@@ -260,3 +260,129 @@ async fn a_poll_round_marks_nothing_on_an_answer_that_misses_a_task() {
     );
     assert!(table.published.lock().unwrap().is_empty());
 }
+
+/// A sink whose first write fails (Valkey down), and every later one succeeds.
+#[derive(Clone, Default)]
+struct FailsOnce {
+    writes: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Sink for FailsOnce {
+    fn write(
+        &self,
+        batch: Arc<Batch>,
+    ) -> impl std::future::Future<Output = Result<outbox_relay::sink::WriteOutcome, SinkError>>
+           + Send
+           + 'static {
+        let first = self
+            .writes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            == 0;
+        async move {
+            if first {
+                return Err(SinkError::Simulated("connection refused"));
+            }
+            Ok(outbox_relay::sink::WriteOutcome {
+                enqueued: batch.len(),
+                ..Default::default()
+            })
+        }
+    }
+}
+
+/// The rows of [`rows`] until someone else delivers them, then nothing to claim.
+#[derive(Clone, Default)]
+struct DeliveredElsewhere {
+    rounds: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl OutboxTable for DeliveredElsewhere {
+    type Tx = DeliveredElsewhereTx;
+
+    async fn mark_published(&self, rows: &[(i64, uuid::Uuid)]) -> Result<Vec<i64>, StoreError> {
+        Ok(rows.iter().map(|r| r.0).collect())
+    }
+
+    async fn begin(&self) -> Result<DeliveredElsewhereTx, StoreError> {
+        let round = self
+            .rounds
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(DeliveredElsewhereTx { first: round == 0 })
+    }
+}
+
+struct DeliveredElsewhereTx {
+    first: bool,
+}
+
+impl OutboxTx for DeliveredElsewhereTx {
+    async fn claim(
+        &mut self,
+        _limit: usize,
+        _older_than: Option<Duration>,
+    ) -> Result<Vec<ClaimedRow>, StoreError> {
+        Ok(if self.first { rows() } else { Vec::new() })
+    }
+
+    async fn mark_failed(
+        &mut self,
+        _id: i64,
+        _error: &str,
+        _backoff: Duration,
+        _max_attempts: i32,
+    ) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+
+    async fn mark_published(&mut self, _ids: &[i64]) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn commit(self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// A recovery poller whose write failed, and whose rows the stream then delivered, has nothing
+/// more to write: its one old failure must not keep `/readyz` not ready (the failing state is
+/// per writer, and a round that ends well clears the pollers').
+#[tokio::test(start_paused = true)]
+async fn a_poller_with_nothing_left_to_write_does_not_stay_failing() {
+    let table = DeliveredElsewhere::default();
+    let metrics = Arc::new(Metrics::new(
+        &mut prometheus_client::registry::Registry::default(),
+    ));
+    let poller = Poller {
+        table: table.clone(),
+        settings: PollerSettings {
+            batch_size: 10,
+            chunk_size: 10,
+            poll_interval: Duration::from_millis(200),
+            recovery_grace: Some(Duration::from_secs(30)),
+            max_attempts: 3,
+            attempt_backoff: Duration::from_millis(200),
+            write_timeout: Duration::from_secs(1),
+        },
+        tasks: Arc::new(task_settings()),
+        sink: FailsOnce::default(),
+        metrics: metrics.clone(),
+        wake: Arc::default(),
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let token = shutdown.clone();
+    let running = tokio::spawn(async move { poller.run(token).await });
+    while table.rounds.load(std::sync::atomic::Ordering::SeqCst) < 3 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        metrics.write_errors.get(),
+        1,
+        "the first round's write failed"
+    );
+    assert!(
+        !metrics.health.writes_failing(),
+        "later rounds had nothing to write and ended well"
+    );
+    shutdown.cancel();
+    running.await.unwrap();
+}
