@@ -258,7 +258,8 @@ async fn a_bad_row_is_logged_with_its_event_id() {
 }
 
 /// Valkey loses its script cache (SCRIPT FLUSH, as after a restart or a failover to a replica):
-/// the next write meets NOSCRIPT, loads the script again and succeeds, without a failed write.
+/// the write that meets NOSCRIPT fails, the next one loads the script, and the writer's re-send
+/// delivers everything, in commit order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flushed_script_cache_is_reloaded_in_place() {
     let db = TestDb::new("noscript").await;
@@ -285,6 +286,9 @@ async fn a_flushed_script_cache_is_reloaded_in_place() {
         .await
         .unwrap();
     assert_eq!(loaded, [1], "the script is loaded again");
-    assert_eq!(relay.metrics.write_errors.get(), 0, "no write failed");
+    assert!(
+        relay.metrics.write_errors.get() >= 1,
+        "the write that met NOSCRIPT failed and was sent again"
+    );
     relay.stop().await;
 }

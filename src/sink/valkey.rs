@@ -16,6 +16,7 @@ use crate::task::Task;
 use crate::valkey::{ValkeyConnection, ValkeyTarget};
 use redis::{ServerErrorKind, Value};
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -84,6 +85,9 @@ pub struct ValkeySink {
     /// Cluster only: each queue's writes reach its shard one at a time, in the writer's order
     /// (see [`QueueTurns`]).
     turns: QueueTurns,
+    /// A write met NOSCRIPT (a restarted server, a promoted replica): the next write loads the
+    /// script before it sends.
+    script_missing: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for ValkeySink {
@@ -202,6 +206,7 @@ impl ValkeySink {
             script: Arc::new(redis::Script::new(ENQUEUE_SCRIPT)),
             registered: Arc::default(),
             turns: QueueTurns::default(),
+            script_missing: Arc::default(),
         };
         sink.load_script().await?;
         Ok(sink)
@@ -378,7 +383,7 @@ impl Sink for ValkeySink {
     ) -> impl std::future::Future<Output = Result<WriteOutcome, SinkError>> + Send + 'static {
         let this = self.clone();
         // Taken now, in the order the writer issues its writes, and held until this write ends
-        // (its NOSCRIPT retry included) or is dropped.
+        // or is dropped (a queue's turn is given back early once its pipeline landed).
         let turns: Vec<Ticket> = if self.conn.is_cluster() {
             self.turns
                 .tickets(by_queue(&batch.tasks).iter().map(|(q, _)| *q))
@@ -389,21 +394,24 @@ impl Sink for ValkeySink {
             if batch.is_empty() {
                 return Ok(WriteOutcome::default());
             }
+            // A restarted server, or a replica promoted by a failover, may lack the script. The
+            // write that meets NOSCRIPT fails, and the writer sends everything unconfirmed
+            // again, in order, after its backoff; the first of those loads the script before
+            // it sends. Retrying inside this write instead would let a later write, issued
+            // while this one loaded the script, land first (seen: a Valkey restart under load
+            // put 500 tasks out of order).
+            if this.script_missing.load(Ordering::Acquire) {
+                this.load_script().await?;
+                this.script_missing.store(false, Ordering::Release);
+            }
             let result = match this.write_once(&batch, &turns).await {
-                // A restarted server, or a replica promoted by a failover, may not have the
-                // script: load it and try once more.
                 Err(e) if e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    this.script_missing.store(true, Ordering::Release);
                     tracing::info!(
                         "valkey lacked the enqueue script (restarted, or a replica promoted); \
-                         loading it again"
+                         it is loaded before the next write"
                     );
-                    match this.load_script().await {
-                        Ok(()) => this
-                            .write_once(&batch, &turns)
-                            .await
-                            .map_err(SinkError::Valkey),
-                        Err(e) => Err(e),
-                    }
+                    Err(SinkError::Valkey(e))
                 }
                 other => other.map_err(SinkError::Valkey),
             };
