@@ -84,6 +84,8 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
     /// Polls until `shutdown`. Errors are logged and retried; nothing here is fatal.
     pub async fn run(&self, shutdown: CancellationToken) {
         let mut backoff = Backoff::new(ROUND_RETRY_FIRST, ROUND_RETRY_MAX);
+        // This poller's last round failed on Valkey (readiness counts it as failing writes).
+        let mut failing = false;
         loop {
             if shutdown.is_cancelled() {
                 return;
@@ -91,11 +93,14 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
             let delay = match self.round().await {
                 Ok(out) => {
                     backoff.reset();
-                    // A round that ended well clears the pollers' failing writes, also when it
-                    // had nothing to write (the rows it failed on were delivered by the stream
-                    // meanwhile): otherwise one old failure would keep /readyz not ready.
-                    self.metrics
-                        .valkey_write_succeeded(crate::health::Writer::Poller);
+                    // A round that ended well clears this poller's failure, also when it had
+                    // nothing to write (the rows it failed on were delivered by the stream
+                    // meanwhile): otherwise one old failure would keep /readyz not ready. A
+                    // round of another poller with nothing to write clears nothing.
+                    if std::mem::take(&mut failing) {
+                        self.metrics
+                            .valkey_write_succeeded(crate::health::Writer::Poller);
+                    }
                     self.metrics.poller_rounds.inc();
                     if out.claimed >= self.settings.batch_size {
                         continue;
@@ -104,10 +109,19 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                 }
                 Err(e) => {
                     let delay = backoff.next_delay();
-                    if let PollerError::Sink(_) = e {
-                        // In poll mode this is the only Valkey writer.
-                        self.metrics
-                            .valkey_write_failed(crate::health::Writer::Poller);
+                    match &e {
+                        PollerError::Sink(_) => {
+                            failing = true;
+                            self.metrics
+                                .valkey_write_failed(crate::health::Writer::Poller);
+                        }
+                        PollerError::Invariant(_) => {
+                            failing = true;
+                            self.metrics.invariant_violations.inc();
+                            self.metrics
+                                .valkey_write_failed(crate::health::Writer::Poller);
+                        }
+                        PollerError::Store(_) => {}
                     }
                     self.metrics.poller_errors.inc();
                     tracing::warn!(
@@ -191,11 +205,7 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                 }
             }
             let outcome = match written {
-                Ok(o) => {
-                    self.metrics
-                        .valkey_write_succeeded(crate::health::Writer::Poller);
-                    o
-                }
+                Ok(o) => o,
                 Err(e) => {
                     failure = Some(e);
                     break;
@@ -206,6 +216,8 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
             if let Err(why) = outcome.accounts_for(chunk.len()) {
                 return Err(InvariantViolation(format!("poll round: {why}")).into());
             }
+            self.metrics
+                .valkey_write_succeeded(crate::health::Writer::Poller);
             self.metrics.published.inc_by(outcome.delivered() as u64);
             self.metrics.duplicates.inc_by(outcome.duplicates as u64);
             self.metrics

@@ -229,6 +229,19 @@ impl<S: Sink> Writer<S> {
     }
 }
 
+/// A session's writer going away (the session ended: a standby now, a reconnect, a stop) takes
+/// its failing writes with it: readiness must not stay "writes failing" on a relay that no
+/// longer writes on the stream (found by review). The next session's writes set it again if
+/// Valkey still refuses them.
+impl<S: Sink> Drop for Writer<S> {
+    fn drop(&mut self) {
+        if self.failing {
+            self.metrics
+                .valkey_write_succeeded(crate::health::Writer::Stream);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -342,5 +355,20 @@ mod tests {
         let mut w = Writer::new(Short, 2, Duration::from_secs(5), metrics());
         w.send(0, batch("a")).unwrap();
         assert!(w.next().await.is_err());
+    }
+
+    /// A writer that goes away while its writes fail (its session ended: this relay stands by
+    /// now) leaves no "writes failing" behind for readiness.
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_that_goes_away_takes_its_failing_writes_with_it() {
+        let sink = Scripted::default();
+        *sink.fail.lock().unwrap() = 1;
+        let m = metrics();
+        let mut w = Writer::new(sink, 2, Duration::from_secs(1), m.clone());
+        w.send(1, batch("a")).unwrap();
+        assert!(matches!(w.next().await, Ok(WriterEvent::Failed { .. })));
+        assert!(m.health.writes_failing());
+        drop(w);
+        assert!(!m.health.writes_failing());
     }
 }
