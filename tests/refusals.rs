@@ -36,6 +36,37 @@ fn task_settings() -> TaskSettings {
     }
 }
 
+fn fresh_metrics() -> Arc<Metrics> {
+    Arc::new(Metrics::new(
+        &mut prometheus_client::registry::Registry::default(),
+    ))
+}
+
+/// A poller over `table` and `sink`, settings small and fixed (a 1 s write timeout).
+fn poller<T: OutboxTable, S: Sink>(
+    table: T,
+    sink: S,
+    recovery_grace: Option<Duration>,
+    metrics: Arc<Metrics>,
+) -> Poller<T, S> {
+    Poller {
+        table,
+        settings: PollerSettings {
+            batch_size: 10,
+            chunk_size: 10,
+            poll_interval: Duration::from_millis(200),
+            recovery_grace,
+            max_attempts: 3,
+            attempt_backoff: Duration::from_millis(200),
+            write_timeout: Duration::from_secs(1),
+        },
+        tasks: Arc::new(task_settings()),
+        sink,
+        metrics,
+        wake: Arc::default(),
+    }
+}
+
 /// Rows 1..=3: a.x (qa), b.x (qb), a.x (qa).
 fn rows() -> Vec<ClaimedRow> {
     ["a.x", "b.x", "a.x"]
@@ -166,24 +197,7 @@ impl OutboxTx for MemTx {
 async fn a_poll_round_never_marks_a_refused_row_published() {
     let (redis, sink) = redis_with_two_broken_queues().await;
     let table = MemTable::default();
-    let poller = Poller {
-        table: table.clone(),
-        settings: PollerSettings {
-            batch_size: 10,
-            chunk_size: 10,
-            poll_interval: Duration::from_millis(200),
-            recovery_grace: None,
-            max_attempts: 3,
-            attempt_backoff: Duration::from_millis(200),
-            write_timeout: Duration::from_secs(1),
-        },
-        tasks: Arc::new(task_settings()),
-        sink,
-        metrics: Arc::new(Metrics::new(
-            &mut prometheus_client::registry::Registry::default(),
-        )),
-        wake: Arc::default(),
-    };
+    let poller = poller(table.clone(), sink, None, fresh_metrics());
     let _ = poller.round().await;
     let mut admin = redis.conn().await;
     let qb_tasks: Vec<String> = redis::cmd("KEYS")
@@ -235,24 +249,7 @@ impl Sink for MiscountingSink {
 #[tokio::test]
 async fn a_poll_round_marks_nothing_on_an_answer_that_misses_a_task() {
     let table = MemTable::default();
-    let poller = Poller {
-        table: table.clone(),
-        settings: PollerSettings {
-            batch_size: 10,
-            chunk_size: 10,
-            poll_interval: Duration::from_millis(200),
-            recovery_grace: None,
-            max_attempts: 3,
-            attempt_backoff: Duration::from_millis(200),
-            write_timeout: Duration::from_secs(1),
-        },
-        tasks: Arc::new(task_settings()),
-        sink: MiscountingSink,
-        metrics: Arc::new(Metrics::new(
-            &mut prometheus_client::registry::Registry::default(),
-        )),
-        wake: Arc::default(),
-    };
+    let poller = poller(table.clone(), MiscountingSink, None, fresh_metrics());
     let err = poller.round().await.expect_err("the round must fail");
     assert!(
         err.to_string().contains("answered for 2 of 3 tasks"),
@@ -349,25 +346,13 @@ impl OutboxTx for DeliveredElsewhereTx {
 #[tokio::test(start_paused = true)]
 async fn a_poller_with_nothing_left_to_write_does_not_stay_failing() {
     let table = DeliveredElsewhere::default();
-    let metrics = Arc::new(Metrics::new(
-        &mut prometheus_client::registry::Registry::default(),
-    ));
-    let poller = Poller {
-        table: table.clone(),
-        settings: PollerSettings {
-            batch_size: 10,
-            chunk_size: 10,
-            poll_interval: Duration::from_millis(200),
-            recovery_grace: Some(Duration::from_secs(30)),
-            max_attempts: 3,
-            attempt_backoff: Duration::from_millis(200),
-            write_timeout: Duration::from_secs(1),
-        },
-        tasks: Arc::new(task_settings()),
-        sink: FailsOnce::default(),
-        metrics: metrics.clone(),
-        wake: Arc::default(),
-    };
+    let metrics = fresh_metrics();
+    let poller = poller(
+        table.clone(),
+        FailsOnce::default(),
+        Some(Duration::from_secs(30)),
+        metrics.clone(),
+    );
     let shutdown = tokio_util::sync::CancellationToken::new();
     let token = shutdown.clone();
     let running = tokio::spawn(async move { poller.run(token).await });

@@ -204,9 +204,9 @@ impl<S: Sink> Writer<S> {
         let (_, batch) = self.unconfirmed.pop_front().expect("checked above");
         // Every task delivered or refused, each refused task named once, within the batch:
         // the marker marks every task not named refused.
-        if let Err(why) = outcome.accounts_for(batch.len()) {
-            ensure(false, || format!("batch {seq}: {why}"))?;
-        }
+        outcome
+            .accounts_for(batch.len())
+            .map_err(|why| InvariantViolation(format!("batch {seq}: {why}")))?;
         self.bytes -= batch.bytes;
         self.gauges();
         self.backoff.reset();
