@@ -154,13 +154,18 @@ impl TaskInfo {
             (Some(e), "retry" | "archived") => format!(", error: {}", one_line(e)),
             _ => String::new(),
         };
-        format!("{}{detail} in queue {}{error}", self.state, self.queue)
+        format!(
+            "{}{detail} in queue {}{error}",
+            one_line(&self.state),
+            one_line(&self.queue)
+        )
     }
 }
 
-/// Control characters escaped, so a handler's error cannot break the output's lines.
+/// Control characters and direction marks escaped ([`crate::command::printable`]), so a
+/// handler's error or a producer's event name cannot break or reorder the output's lines.
 pub fn one_line(s: &str) -> String {
-    s.chars().flat_map(char::escape_debug).collect::<String>()
+    crate::command::printable(s).into_owned()
 }
 
 fn score_secs(v: &redis::Value) -> Option<i64> {

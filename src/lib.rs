@@ -64,6 +64,7 @@ pub mod reconcile;
 pub mod relay;
 pub mod replay;
 pub mod replication;
+pub mod shared_event_ids;
 pub mod sink;
 pub mod status;
 pub mod store;

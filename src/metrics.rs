@@ -114,6 +114,10 @@ pub struct Metrics {
     pub link_failures: Family<LinkLabel, Counter>,
     /// Times the publication was found recreated behind the slot (the slot was recreated).
     pub publication_recreated: Counter,
+    /// Rows found sharing their event_id with an earlier row (one task for all of them).
+    pub shared_event_id: Counter,
+    /// Event ids the shared-event_id check had no room or no connection to check.
+    pub shared_event_id_unchecked: Counter,
     /// Liveness of the dependencies, for /readyz.
     pub health: crate::health::Health,
     /// The `event_type` values `failed` has used (at most [`MAX_EVENT_TYPE_LABELS`]).
@@ -154,6 +158,8 @@ impl Metrics {
             invariant_violations: Counter::default(),
             link_failures: Family::default(),
             publication_recreated: Counter::default(),
+            shared_event_id: Counter::default(),
+            shared_event_id_unchecked: Counter::default(),
             health: crate::health::Health::default(),
             event_types: Mutex::default(),
         };
@@ -168,6 +174,19 @@ impl Metrics {
             "Times the publication was found dropped and recreated behind the slot (the slot \
              was recreated; the recovery poller delivers the gap)",
             m.publication_recreated.clone(),
+        );
+        registry.register(
+            "outbox_events_shared_event_id",
+            "Rows that share their event_id with another row: asynq keeps one task for all of \
+             them, so these rows were marked published without a task of their own (checked only \
+             when the table has no UNIQUE event_id)",
+            m.shared_event_id.clone(),
+        );
+        registry.register(
+            "outbox_events_shared_event_id_unchecked",
+            "Event ids met as existing TaskIDs that the shared-event_id check could not look up \
+             (too many waiting, or Postgres unreachable)",
+            m.shared_event_id_unchecked.clone(),
         );
         registry.register(
             "outbox_events_published",

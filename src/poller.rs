@@ -15,6 +15,7 @@ use crate::error_chain::error_chain;
 use crate::metrics::Metrics;
 use crate::postgres::{PgError, PgTarget};
 use crate::replication::invariant::InvariantViolation;
+use crate::shared_event_ids::SharedIdsHandle;
 use crate::sink::{Batch, Sink, SinkError};
 use crate::store::{OutboxTable, OutboxTx, StoreError};
 use crate::task::TaskSettings;
@@ -70,6 +71,8 @@ pub struct Poller<T: OutboxTable, S: Sink> {
     pub metrics: Arc<Metrics>,
     /// Woken by LISTEN/NOTIFY (or anyone) to poll before the interval is up.
     pub wake: Arc<Notify>,
+    /// Told of writes that met existing TaskIDs, when event_id is not unique in the table.
+    pub shared_ids: Option<SharedIdsHandle>,
 }
 
 /// What one round did.
@@ -228,6 +231,16 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                 if let Some(slot) = reasons.get_mut(r.index) {
                     *slot = Some(&r.reason);
                 }
+            }
+            if let Some(shared_ids) = self.shared_ids.as_ref().filter(|_| outcome.duplicates > 0) {
+                shared_ids.check(
+                    chunk
+                        .iter()
+                        .zip(&reasons)
+                        .filter(|(_, reason)| reason.is_none())
+                        .filter_map(|((row, _), _)| uuid::Uuid::parse_str(row.event_id()).ok())
+                        .collect(),
+                );
             }
             for ((row, _), reason) in chunk.iter().zip(reasons) {
                 match reason {

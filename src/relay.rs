@@ -4,6 +4,7 @@
 //! Takes its configuration and its shutdown token as arguments, so tests drive it in-process.
 
 use crate::config::{Mode, RunArgs};
+use crate::error_chain::error_chain;
 use crate::marker::Marker;
 use crate::metrics::Metrics;
 use crate::monitor::{Monitor, MonitorSettings};
@@ -14,6 +15,7 @@ use crate::replication::pg_slot::PgSlot;
 use crate::replication::setup::{self, SetupError};
 use crate::replication::standby;
 use crate::replication::stream::{Stream, StreamError, StreamSettings};
+use crate::shared_event_ids::{SharedIdsHandle, SharedIdsWatch};
 use crate::sink::valkey::ValkeySink;
 use crate::sink::SinkError;
 use crate::store::pg::PgOutbox;
@@ -177,6 +179,43 @@ async fn warn_on_eviction(sink: &ValkeySink) {
     }
 }
 
+/// Without a unique index on event_id, warns and starts the check for rows that share one
+/// (crate::shared_event_ids). A failed look-up is logged and treated as unique: the check only
+/// diagnoses.
+async fn watch_shared_event_ids(
+    pool: &deadpool_postgres::Pool,
+    store: &Store,
+    table: &TableName,
+    metrics: &Arc<Metrics>,
+    background: &CancellationToken,
+    set: &mut JoinSet<()>,
+) -> Option<SharedIdsHandle> {
+    let unique = match pool.get().await {
+        Ok(client) => setup::has_unique_event_id(&client, table)
+            .await
+            .map_err(|e| error_chain(&e)),
+        Err(e) => Err(error_chain(&e)),
+    };
+    match unique {
+        Ok(true) => None,
+        Ok(false) => {
+            tracing::warn!(
+                table = %table.sql(),
+                "the outbox table has no unique index on event_id: two rows with one event_id \
+                 become one task (asynq keeps one task per TaskID); such rows are logged and \
+                 counted in outbox_events_shared_event_id_total"
+            );
+            let (watch, handle) = SharedIdsWatch::new(pool.clone(), store.clone(), metrics.clone());
+            set.spawn(watch.run(background.clone()));
+            Some(handle)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "could not check event_id for a unique index");
+            None
+        }
+    }
+}
+
 /// Runs the relay until `shutdown` fires.
 pub async fn run(
     args: &RunArgs,
@@ -198,6 +237,8 @@ pub async fn run(
     let background = CancellationToken::new();
     let mut set = JoinSet::new();
 
+    let shared_ids =
+        watch_shared_event_ids(&pool, &store, &table, &metrics, &background, &mut set).await;
     let run_pollers = args.mode == Mode::Poll || args.recovery;
     if run_pollers {
         let wake = Arc::new(Notify::new());
@@ -226,6 +267,7 @@ pub async fn run(
                 sink: sink.clone(),
                 metrics: metrics.clone(),
                 wake: wake.clone(),
+                shared_ids: shared_ids.clone(),
             };
             let token = background.clone();
             set.spawn(async move { poller.run(token).await });
@@ -311,6 +353,7 @@ pub async fn run(
                 sink,
                 metrics: metrics.clone(),
                 marker,
+                shared_ids,
                 slot_watch: Default::default(),
             };
             stream.run(shutdown).await.map_err(RelayError::from)

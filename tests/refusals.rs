@@ -64,6 +64,7 @@ fn poller<T: OutboxTable, S: Sink>(
         sink,
         metrics,
         wake: Arc::default(),
+        shared_ids: None,
     }
 }
 

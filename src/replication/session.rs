@@ -28,6 +28,7 @@ use crate::error_chain::error_chain;
 use crate::marker::MarkerHandle;
 use crate::metrics::{LinkLabel, Metrics};
 use crate::pgoutput::{self, Decoded, OutboxColumn, OutboxInsert, RelationCache};
+use crate::shared_event_ids::SharedIdsHandle;
 use crate::sink::{Batch, Sink};
 use crate::task::{BadRow, RowText, TaskSettings};
 use crate::timer::sleep_until_opt;
@@ -64,6 +65,8 @@ pub struct SessionContext<'a, S: Sink> {
     pub sink: &'a S,
     pub metrics: &'a Arc<Metrics>,
     pub marker: Option<&'a MarkerHandle>,
+    /// Told of writes that met existing TaskIDs, when event_id is not unique in the table.
+    pub shared_ids: Option<&'a SharedIdsHandle>,
 }
 
 /// State of one replication connection.
@@ -258,6 +261,9 @@ impl<'a, S: Sink> Session<'a, S> {
                     );
                 }
                 m.rows_rejected.inc_by(outcome.rejected.len() as u64);
+                if let Some(shared_ids) = self.cx.shared_ids.filter(|_| outcome.duplicates > 0) {
+                    shared_ids.check(delivered.iter().map(|d| d.1).collect());
+                }
                 if let Some(marker) = self.cx.marker {
                     marker.mark(delivered);
                 }

@@ -351,6 +351,21 @@ pub async fn check_poller_columns(client: &Client, table: &TableName) -> Result<
     Ok(())
 }
 
+/// Whether a unique index covers event_id alone (the Go kit's `event_id uuid NOT NULL UNIQUE`).
+/// Without one, two rows can share an event_id and become one task (crate::shared_event_ids).
+pub async fn has_unique_event_id(client: &Client, table: &TableName) -> Result<bool, SetupError> {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a \
+             ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
+             WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indnkeyatts = 1 \
+             AND i.indpred IS NULL AND a.attname = 'event_id')",
+            &[&table.sql()],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
 /// Creates the slot when missing and returns it.
 pub async fn ensure_slot(client: &Client, slot: &str) -> Result<SlotInfo, SetupError> {
     if let Some(info) = slot_info(client, slot).await? {

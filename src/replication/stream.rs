@@ -16,6 +16,7 @@ use crate::marker::MarkerHandle;
 use crate::metrics::{Metrics, TargetLabel};
 use crate::pgoutput::{DecodeError, TableName};
 use crate::postgres::PgError;
+use crate::shared_event_ids::SharedIdsHandle;
 use crate::sink::Sink;
 use crate::task::TaskSettings;
 use pgwire_replication::{Lsn, PgWireError};
@@ -124,6 +125,9 @@ pub struct Stream<P: SlotPort, S: Sink> {
     pub metrics: Arc<Metrics>,
     /// Marks delivered rows published, when enabled.
     pub marker: Option<MarkerHandle>,
+    /// Checks writes that met existing TaskIDs for rows sharing an event_id, when the table
+    /// does not make event_id unique.
+    pub shared_ids: Option<SharedIdsHandle>,
     /// Notices a promoted standby or a slot recreated behind the relay's back.
     pub slot_watch: super::slot_watch::SlotWatch,
 }
@@ -335,6 +339,7 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
             sink: &self.sink,
             metrics: &self.metrics,
             marker: self.marker.as_ref(),
+            shared_ids: self.shared_ids.as_ref(),
         };
         let mut session = Session::new(cx, start);
         let end = session.run(&mut source, shutdown).await;

@@ -195,6 +195,26 @@ impl Store {
             .collect())
     }
 
+    /// Of `event_ids`, those that more than one row carries, with their row ids (in id order).
+    /// Used only when the table has no unique index on event_id (crate::shared_event_ids).
+    pub async fn rows_sharing_event_ids(
+        &self,
+        client: &impl GenericClient,
+        event_ids: &[uuid::Uuid],
+    ) -> Result<Vec<(uuid::Uuid, Vec<i64>)>, tokio_postgres::Error> {
+        let sql = format!(
+            "SELECT event_id, array_agg(id ORDER BY id) FROM {} WHERE event_id = ANY($1) \
+             GROUP BY event_id HAVING count(*) > 1",
+            self.table.sql()
+        );
+        Ok(client
+            .query(&sql, &[&event_ids])
+            .await?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect())
+    }
+
     /// Records a failed attempt: the next one waits `backoff * 2^(attempts-1)` (at most an
     /// hour), and the row becomes a dead letter at `max_attempts`.
     pub async fn mark_failed(

@@ -238,6 +238,7 @@ impl World {
             sink: self.valkey.sink(Writer::Poller(idx)),
             metrics: metrics.clone(),
             wake: Arc::default(),
+            shared_ids: None,
         };
         let token = background.clone();
         tasks.push(tokio::spawn(async move { poller.run(token).await }));
@@ -264,6 +265,7 @@ impl World {
             sink: self.valkey.sink(Writer::Stream(idx)),
             metrics,
             marker: Some(handle),
+            shared_ids: None,
             slot_watch: Default::default(),
         };
         let token = shutdown.clone();
