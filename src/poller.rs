@@ -238,7 +238,11 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                         .iter()
                         .zip(&reasons)
                         .filter(|(_, reason)| reason.is_none())
-                        .filter_map(|((row, _), _)| uuid::Uuid::parse_str(row.event_id()).ok())
+                        .filter_map(|((row, _), _)| {
+                            uuid::Uuid::parse_str(row.event_id())
+                                .ok()
+                                .map(|id| (row.id, id))
+                        })
                         .collect(),
                 );
             }

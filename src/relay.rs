@@ -65,8 +65,10 @@ const REPLICATION_BUFFER_EVENTS: usize = 2048;
 /// The poller's tasks per Valkey write (at most `OUTBOX_BATCH_SIZE`): the unit of partial
 /// success, whose marks a later failure in the same round does not lose.
 const POLLER_CHUNK: usize = 100;
-/// Connections the pool keeps beside the pollers: the marker's and the monitor's.
-const POOL_EXTRA: usize = 2;
+/// Connections the pool allows beside the pollers: the marker's, the monitor's, and the check
+/// for rows sharing an event_id (crate::shared_event_ids; made only when it runs, as the pool
+/// connects on demand).
+const POOL_EXTRA: usize = 3;
 /// A stream write unanswered for this many Valkey timeouts has failed, whatever the client
 /// library does (a backstop for a write stuck behind a dead link).
 const WRITE_TIMEOUT_FACTOR: u32 = 3;
@@ -190,21 +192,34 @@ async fn watch_shared_event_ids(
     background: &CancellationToken,
     set: &mut JoinSet<()>,
 ) -> Option<SharedIdsHandle> {
-    let unique = match pool.get().await {
-        Ok(client) => setup::has_unique_event_id(&client, table)
-            .await
-            .map_err(|e| error_chain(&e)),
+    let indexes = match pool.get().await {
+        Ok(client) => async {
+            Ok((
+                setup::has_unique_event_id(&client, table).await?,
+                setup::has_event_id_index(&client, table).await?,
+            ))
+        }
+        .await
+        .map_err(|e: setup::SetupError| error_chain(&e)),
         Err(e) => Err(error_chain(&e)),
     };
-    match unique {
-        Ok(true) => None,
-        Ok(false) => {
+    match indexes {
+        Ok((true, _)) => None,
+        Ok((false, indexed)) => {
             tracing::warn!(
                 table = %table.sql(),
                 "the outbox table has no unique index on event_id: two rows with one event_id \
                  become one task (asynq keeps one task per TaskID); such rows are logged and \
                  counted in outbox_events_shared_event_id_total"
             );
+            if !indexed {
+                tracing::warn!(
+                    table = %table.sql(),
+                    "no index on event_id either: each check for rows sharing an event_id scans \
+                     the table (the checks are spaced out by how long they take); \
+                     CREATE INDEX CONCURRENTLY ON <table> (event_id) makes them cheap"
+                );
+            }
             let (watch, handle) = SharedIdsWatch::new(pool.clone(), store.clone(), metrics.clone());
             set.spawn(watch.run(background.clone()));
             Some(handle)

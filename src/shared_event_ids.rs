@@ -20,26 +20,33 @@
 use crate::error_chain::error_chain;
 use crate::metrics::Metrics;
 use crate::store::Store;
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-/// Event ids waiting to be checked at most (16 bytes each).
+/// Rows waiting to be checked at most (24 bytes each).
 const MAX_PENDING: usize = 100_000;
 /// Event ids per query at most.
 const MAX_PER_QUERY: usize = 10_000;
-/// Checks wait this long after a write met an existing TaskID, so that a replay's many batches
-/// make one query (without a unique index, each query may scan the table).
-const COALESCE: Duration = Duration::from_millis(500);
-/// Event ids already reported, remembered so a replay does not log them again; forgotten all at
-/// once past this many.
+/// Checks wait at least this long after a write met an existing TaskID, so that a replay's many
+/// batches make one query.
+pub const COALESCE: Duration = Duration::from_millis(500);
+/// Without an index on event_id each query scans the table: the wait before the next one is
+/// at least this many times the last query's duration (at most [`MAX_PAUSE`]).
+const PAUSE_FACTOR: u32 = 10;
+const MAX_PAUSE: Duration = Duration::from_secs(60);
+/// A query running longer than this is cancelled (its event ids counted unchecked).
+const STATEMENT_TIMEOUT: &str = "10s";
+/// Event ids already reported, with the rows counted, remembered so a replay does not count
+/// them again; forgotten all at once past this many.
 const MAX_REPORTED: usize = 100_000;
 
 struct Shared {
-    pending: Mutex<Vec<Uuid>>,
+    /// (row id, event_id) of rows whose write met an existing TaskID.
+    pending: Mutex<Vec<(i64, Uuid)>>,
     notify: Notify,
 }
 
@@ -51,20 +58,20 @@ pub struct SharedIdsHandle {
 }
 
 impl SharedIdsHandle {
-    /// Queues the event_ids of a write that met an existing TaskID.
-    pub fn check(&self, event_ids: Vec<Uuid>) {
-        if event_ids.is_empty() {
+    /// Queues the (row id, event_id) of the rows of a write that met an existing TaskID.
+    pub fn check(&self, rows: Vec<(i64, Uuid)>) {
+        if rows.is_empty() {
             return;
         }
         {
             let mut pending = self.shared.pending.lock().expect("shared-id lock");
-            if pending.len() + event_ids.len() > MAX_PENDING {
+            if pending.len() + rows.len() > MAX_PENDING {
                 self.metrics
                     .shared_event_id_unchecked
-                    .inc_by(event_ids.len() as u64);
+                    .inc_by(rows.len() as u64);
                 return;
             }
-            pending.extend(event_ids);
+            pending.extend(rows);
         }
         self.shared.notify.notify_one();
     }
@@ -76,7 +83,10 @@ pub struct SharedIdsWatch {
     pool: deadpool_postgres::Pool,
     store: Store,
     metrics: Arc<Metrics>,
-    reported: HashSet<Uuid>,
+    /// Event ids reported, with the rows counted for each.
+    reported: HashMap<Uuid, BTreeSet<i64>>,
+    /// The wait before the next query.
+    pause: Duration,
 }
 
 impl SharedIdsWatch {
@@ -98,7 +108,8 @@ impl SharedIdsWatch {
             pool,
             store,
             metrics,
-            reported: HashSet::new(),
+            reported: HashMap::new(),
+            pause: COALESCE,
         };
         (watch, handle)
     }
@@ -111,66 +122,101 @@ impl SharedIdsWatch {
                 _ = shutdown.cancelled() => return,
                 _ = self.shared.notify.notified() => {}
             }
-            tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(COALESCE) => {}
-            }
             loop {
-                let ids = self.take();
-                if ids.is_empty() {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(self.pause) => {}
+                }
+                let rows = self.take();
+                if rows.is_empty() {
                     break;
                 }
-                if let Err(e) = self.check(&ids).await {
+                let started = Instant::now();
+                let result = tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => return,
+                    r = self.check(&rows) => r,
+                };
+                self.pause = (started.elapsed() * PAUSE_FACTOR).clamp(COALESCE, MAX_PAUSE);
+                if let Err(e) = result {
                     self.metrics
                         .shared_event_id_unchecked
-                        .inc_by(ids.len() as u64);
+                        .inc_by(rows.len() as u64);
                     tracing::warn!(
                         error = %error_chain(&e),
-                        event_ids = ids.len(),
+                        event_ids = rows.len(),
                         "could not check whether rows share their event_id"
                     );
-                    break;
                 }
             }
         }
     }
 
-    /// Up to [`MAX_PER_QUERY`] distinct event ids not yet reported.
-    fn take(&mut self) -> Vec<Uuid> {
-        let mut pending = self.shared.pending.lock().expect("shared-id lock");
-        let mut ids = HashSet::new();
-        while ids.len() < MAX_PER_QUERY {
-            let Some(id) = pending.pop() else { break };
-            if !self.reported.contains(&id) {
-                ids.insert(id);
-            }
+    /// The handed rows of up to [`MAX_PER_QUERY`] event ids, grouped by event_id.
+    fn take(&mut self) -> HashMap<Uuid, BTreeSet<i64>> {
+        let taken = {
+            let mut pending = self.shared.pending.lock().expect("shared-id lock");
+            let keep = pending.len().saturating_sub(MAX_PER_QUERY);
+            pending.split_off(keep)
+        };
+        let mut rows: HashMap<Uuid, BTreeSet<i64>> = HashMap::new();
+        for (row_id, event_id) in taken {
+            rows.entry(event_id).or_default().insert(row_id);
         }
-        ids.into_iter().collect()
+        rows
     }
 
-    async fn check(&mut self, ids: &[Uuid]) -> Result<(), crate::store::StoreError> {
-        let client = self.pool.get().await?;
-        let groups = self.store.rows_sharing_event_ids(&**client, ids).await?;
-        for (event_id, rows) in groups {
-            if self.reported.len() >= MAX_REPORTED {
-                self.reported.clear();
-            }
-            if !self.reported.insert(event_id) {
-                continue;
-            }
-            self.metrics
-                .shared_event_id
-                .inc_by(rows.len().saturating_sub(1) as u64);
-            tracing::warn!(
-                %event_id,
-                rows = ?rows,
-                "rows share an event_id: Valkey holds one task for all of them (asynq keeps one \
-                 task per TaskID), so only the first row delivered became a task and the others \
-                 were marked published without one; give each event its own event_id, and \
-                 restore the table's UNIQUE (event_id)"
-            );
+    async fn check(
+        &mut self,
+        handed: &HashMap<Uuid, BTreeSet<i64>>,
+    ) -> Result<(), crate::store::StoreError> {
+        let ids: Vec<Uuid> = handed.keys().copied().collect();
+        let in_table = {
+            let mut client = self.pool.get().await?;
+            let tx = client.transaction().await?;
+            tx.batch_execute(&format!(
+                "SET LOCAL statement_timeout = '{STATEMENT_TIMEOUT}'"
+            ))
+            .await?;
+            let found = self.store.rows_sharing_event_ids(&*tx, &ids).await?;
+            tx.commit().await?;
+            found
+        };
+        let mut all: HashMap<Uuid, BTreeSet<i64>> = handed.clone();
+        for (event_id, rows) in in_table {
+            all.entry(event_id).or_default().extend(rows);
+        }
+        for (event_id, rows) in all {
+            self.note(event_id, rows);
         }
         Ok(())
+    }
+
+    /// Counts and logs the rows of `event_id` not counted before, if more than one row has it.
+    fn note(&mut self, event_id: Uuid, rows: BTreeSet<i64>) {
+        if rows.len() < 2 {
+            return;
+        }
+        let new = match self.reported.get(&event_id) {
+            None => rows.len() - 1,
+            Some(counted) => rows.difference(counted).count(),
+        };
+        if new == 0 {
+            return;
+        }
+        if self.reported.len() >= MAX_REPORTED && !self.reported.contains_key(&event_id) {
+            self.reported.clear();
+        }
+        self.reported.entry(event_id).or_default().extend(&rows);
+        self.metrics.shared_event_id.inc_by(new as u64);
+        tracing::warn!(
+            %event_id,
+            rows = ?rows,
+            "rows share an event_id: Valkey holds one task for all of them (asynq keeps one \
+             task per TaskID), so only the first row delivered became a task and the others \
+             were marked published without one; give each event its own event_id, and \
+             restore the table's UNIQUE (event_id)"
+        );
     }
 }

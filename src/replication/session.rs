@@ -262,7 +262,7 @@ impl<'a, S: Sink> Session<'a, S> {
                 }
                 m.rows_rejected.inc_by(outcome.rejected.len() as u64);
                 if let Some(shared_ids) = self.cx.shared_ids.filter(|_| outcome.duplicates > 0) {
-                    shared_ids.check(delivered.iter().map(|d| d.1).collect());
+                    shared_ids.check(delivered.clone());
                 }
                 if let Some(marker) = self.cx.marker {
                     marker.mark(delivered);

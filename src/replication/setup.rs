@@ -353,13 +353,36 @@ pub async fn check_poller_columns(client: &Client, table: &TableName) -> Result<
 
 /// Whether a unique index covers event_id alone (the Go kit's `event_id uuid NOT NULL UNIQUE`).
 /// Without one, two rows can share an event_id and become one task (crate::shared_event_ids).
+/// An index left invalid (a `CREATE UNIQUE INDEX CONCURRENTLY` that failed, perhaps on the very
+/// duplicates) enforces nothing and does not count.
 pub async fn has_unique_event_id(client: &Client, table: &TableName) -> Result<bool, SetupError> {
+    event_id_index(
+        client,
+        table,
+        "i.indisunique AND i.indnkeyatts = 1 AND i.indpred IS NULL",
+    )
+    .await
+}
+
+/// Whether a usable index leads with event_id, so that looking rows up by event_id does not scan
+/// the table.
+pub async fn has_event_id_index(client: &Client, table: &TableName) -> Result<bool, SetupError> {
+    event_id_index(client, table, "i.indpred IS NULL").await
+}
+
+async fn event_id_index(
+    client: &Client,
+    table: &TableName,
+    condition: &str,
+) -> Result<bool, SetupError> {
     let row = client
         .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a \
-             ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
-             WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indnkeyatts = 1 \
-             AND i.indpred IS NULL AND a.attname = 'event_id')",
+            &format!(
+                "SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a \
+                 ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
+                 WHERE i.indrelid = to_regclass($1) AND i.indisvalid AND i.indisready \
+                 AND i.indislive AND a.attname = 'event_id' AND {condition})"
+            ),
             &[&table.sql()],
         )
         .await?;

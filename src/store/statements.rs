@@ -195,8 +195,9 @@ impl Store {
             .collect())
     }
 
-    /// Of `event_ids`, those that more than one row carries, with their row ids (in id order).
-    /// Used only when the table has no unique index on event_id (crate::shared_event_ids).
+    /// The row ids the table holds for each of `event_ids` (in id order; event ids of no row
+    /// left out). Used only when the table has no unique index on event_id
+    /// (crate::shared_event_ids).
     pub async fn rows_sharing_event_ids(
         &self,
         client: &impl GenericClient,
@@ -204,7 +205,7 @@ impl Store {
     ) -> Result<Vec<(uuid::Uuid, Vec<i64>)>, tokio_postgres::Error> {
         let sql = format!(
             "SELECT event_id, array_agg(id ORDER BY id) FROM {} WHERE event_id = ANY($1) \
-             GROUP BY event_id HAVING count(*) > 1",
+             GROUP BY event_id",
             self.table.sql()
         );
         Ok(client
