@@ -238,10 +238,10 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                         .iter()
                         .zip(&reasons)
                         .filter(|(_, reason)| reason.is_none())
-                        .filter_map(|((row, _), _)| {
+                        .filter_map(|((row, task), _)| {
                             uuid::Uuid::parse_str(row.event_id())
                                 .ok()
-                                .map(|id| (row.id, id))
+                                .map(|id| (row.id, id, task.queue.clone()))
                         })
                         .collect(),
                 );

@@ -188,6 +188,7 @@ async fn watch_shared_event_ids(
     pool: &deadpool_postgres::Pool,
     store: &Store,
     table: &TableName,
+    tasks: &Arc<crate::task::TaskSettings>,
     metrics: &Arc<Metrics>,
     background: &CancellationToken,
     set: &mut JoinSet<()>,
@@ -220,7 +221,8 @@ async fn watch_shared_event_ids(
                      CREATE INDEX CONCURRENTLY ON <table> (event_id) makes them cheap"
                 );
             }
-            let (watch, handle) = SharedIdsWatch::new(pool.clone(), store.clone(), metrics.clone());
+            let (watch, handle) =
+                SharedIdsWatch::new(pool.clone(), store.clone(), tasks.clone(), metrics.clone());
             set.spawn(watch.run(background.clone()));
             Some(handle)
         }
@@ -252,8 +254,16 @@ pub async fn run(
     let background = CancellationToken::new();
     let mut set = JoinSet::new();
 
-    let shared_ids =
-        watch_shared_event_ids(&pool, &store, &table, &metrics, &background, &mut set).await;
+    let shared_ids = watch_shared_event_ids(
+        &pool,
+        &store,
+        &table,
+        &tasks,
+        &metrics,
+        &background,
+        &mut set,
+    )
+    .await;
     let run_pollers = args.mode == Mode::Poll || args.recovery;
     if run_pollers {
         let wake = Arc::new(Notify::new());

@@ -1,25 +1,35 @@
 //! Rows that share an event_id.
 //!
 //! The Go kit's migration declares `event_id UNIQUE`. A table without that constraint can hold
-//! two rows with one event_id, and asynq keeps one task per TaskID: the later row's write is
-//! answered "already exists", exactly as a replay is, and the row is marked published although
-//! its own payload never became a task. Valkey cannot tell the two apart; the table can.
+//! two rows with one event_id, and asynq keeps one task per TaskID in a queue: when both rows
+//! route to the same queue, the later row's write is answered "already exists", exactly as a
+//! replay is, and the row is marked published although its own payload never became a task.
+//! (Rows routed to different queues are two tasks, and not reported.) Valkey cannot tell the
+//! two apart; the table can.
 //!
-//! At start the relay looks for a unique index on event_id
+//! At start the relay looks for a valid unique index on event_id
 //! ([`crate::replication::setup::has_unique_event_id`]). Without one it warns, and runs this
-//! watch: the stream and the poller hand it the event_ids of every write that met an existing
-//! TaskID ([`SharedIdsHandle::check`], which never blocks); it asks the table which of them more
-//! than one row carries, logs each such event_id once with its row ids, and counts the rows
-//! beyond the first in `outbox_events_shared_event_id_total`. It diagnoses, off the delivery
-//! path: neither delivery nor marking waits for it. Event ids it had no room to check are
-//! counted in `outbox_events_shared_event_id_unchecked_total`, never dropped silently.
+//! watch: the stream and the pollers hand it the (row id, event_id, queue) of every row of a
+//! write that met an existing TaskID ([`SharedIdsHandle::check`], which never blocks). Rows are
+//! told apart by their row id, so a replay (one row sent twice) is never taken for two rows.
+//! The watch joins the rows it was handed with those the table holds for the same event_ids
+//! (one query per [`COALESCE`] or more, routing the table's rows by their event_name), logs
+//! each (queue, event_id) that more than one row carries with its first row ids, and counts the
+//! rows beyond the first in `outbox_events_shared_event_id_total`; a row that joins a group
+//! already reported is logged and counted too. It diagnoses, off the delivery path: neither
+//! delivery nor marking waits for it. Rows it had no room or no answer to check are counted in
+//! `outbox_events_shared_event_id_unchecked_total`, never dropped silently.
 //!
-//! A row deleted after delivery (`OUTBOX_DELETE_DELIVERED`) leaves nothing to compare with: an
-//! event_id reused after that is a replay to the relay (docs/reliability.md).
+//! What it remembers is per process and bounded ([`MAX_REPORTED`] row ids, then forgotten all
+//! at once): after a restart or that, the replay of a reported pair reports it again. A row
+//! deleted after delivery (`OUTBOX_DELETE_DELIVERED`, `cleanup`) is still seen while it is
+//! among the rows handed over in the same check (rows of one write); an event_id reused after
+//! that looks like a replay to the relay (docs/task-format.md).
 
 use crate::error_chain::error_chain;
 use crate::metrics::Metrics;
 use crate::store::Store;
+use crate::task::TaskSettings;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -40,13 +50,20 @@ const PAUSE_FACTOR: u32 = 10;
 const MAX_PAUSE: Duration = Duration::from_secs(60);
 /// A query running longer than this is cancelled (its event ids counted unchecked).
 const STATEMENT_TIMEOUT: &str = "10s";
-/// Event ids already reported, with the rows counted, remembered so a replay does not count
-/// them again; forgotten all at once past this many.
+/// Row ids of reported groups, remembered so a replay does not count them again; forgotten all
+/// at once past this many.
 const MAX_REPORTED: usize = 100_000;
+/// Row ids named in one log line at most.
+const LOGGED_ROWS: usize = 20;
+
+/// A row of a write that met an existing TaskID: its id, event_id and queue.
+pub type HandedRow = (i64, Uuid, Arc<str>);
+/// TaskIDs are unique per queue.
+type Key = (Arc<str>, Uuid);
 
 struct Shared {
-    /// (row id, event_id) of rows whose write met an existing TaskID.
-    pending: Mutex<Vec<(i64, Uuid)>>,
+    /// Rows whose write met an existing TaskID.
+    pending: Mutex<Vec<HandedRow>>,
     notify: Notify,
 }
 
@@ -58,8 +75,8 @@ pub struct SharedIdsHandle {
 }
 
 impl SharedIdsHandle {
-    /// Queues the (row id, event_id) of the rows of a write that met an existing TaskID.
-    pub fn check(&self, rows: Vec<(i64, Uuid)>) {
+    /// Queues the rows of a write that met an existing TaskID.
+    pub fn check(&self, rows: Vec<HandedRow>) {
         if rows.is_empty() {
             return;
         }
@@ -82,9 +99,12 @@ pub struct SharedIdsWatch {
     shared: Arc<Shared>,
     pool: deadpool_postgres::Pool,
     store: Store,
+    tasks: Arc<TaskSettings>,
     metrics: Arc<Metrics>,
-    /// Event ids reported, with the rows counted for each.
-    reported: HashMap<Uuid, BTreeSet<i64>>,
+    /// Groups reported, with the rows counted for each.
+    reported: HashMap<Key, BTreeSet<i64>>,
+    /// Row ids in `reported`.
+    reported_rows: usize,
     /// The wait before the next query.
     pause: Duration,
 }
@@ -93,6 +113,7 @@ impl SharedIdsWatch {
     pub fn new(
         pool: deadpool_postgres::Pool,
         store: Store,
+        tasks: Arc<TaskSettings>,
         metrics: Arc<Metrics>,
     ) -> (Self, SharedIdsHandle) {
         let shared = Arc::new(Shared {
@@ -107,8 +128,10 @@ impl SharedIdsWatch {
             shared,
             pool,
             store,
+            tasks,
             metrics,
             reported: HashMap::new(),
+            reported_rows: 0,
             pause: COALESCE,
         };
         (watch, handle)
@@ -140,12 +163,13 @@ impl SharedIdsWatch {
                 };
                 self.pause = (started.elapsed() * PAUSE_FACTOR).clamp(COALESCE, MAX_PAUSE);
                 if let Err(e) = result {
+                    let unchecked: usize = rows.values().map(BTreeSet::len).sum();
                     self.metrics
                         .shared_event_id_unchecked
-                        .inc_by(rows.len() as u64);
+                        .inc_by(unchecked as u64);
                     tracing::warn!(
                         error = %error_chain(&e),
-                        event_ids = rows.len(),
+                        rows = unchecked,
                         "could not check whether rows share their event_id"
                     );
                 }
@@ -153,25 +177,30 @@ impl SharedIdsWatch {
         }
     }
 
-    /// The handed rows of up to [`MAX_PER_QUERY`] event ids, grouped by event_id.
-    fn take(&mut self) -> HashMap<Uuid, BTreeSet<i64>> {
-        let taken = {
+    /// The oldest handed rows, up to [`MAX_PER_QUERY`], grouped by queue and event_id.
+    fn take(&mut self) -> HashMap<Key, BTreeSet<i64>> {
+        let taken: Vec<HandedRow> = {
             let mut pending = self.shared.pending.lock().expect("shared-id lock");
-            let keep = pending.len().saturating_sub(MAX_PER_QUERY);
-            pending.split_off(keep)
+            let n = pending.len().min(MAX_PER_QUERY);
+            pending.drain(..n).collect()
         };
-        let mut rows: HashMap<Uuid, BTreeSet<i64>> = HashMap::new();
-        for (row_id, event_id) in taken {
-            rows.entry(event_id).or_default().insert(row_id);
+        let mut rows: HashMap<Key, BTreeSet<i64>> = HashMap::new();
+        for (row_id, event_id, queue) in taken {
+            rows.entry((queue, event_id)).or_default().insert(row_id);
         }
         rows
     }
 
     async fn check(
         &mut self,
-        handed: &HashMap<Uuid, BTreeSet<i64>>,
+        handed: &HashMap<Key, BTreeSet<i64>>,
     ) -> Result<(), crate::store::StoreError> {
-        let ids: Vec<Uuid> = handed.keys().copied().collect();
+        let ids: Vec<Uuid> = handed
+            .keys()
+            .map(|(_, id)| *id)
+            .collect::<std::collections::HashSet<_>>()
+            .into_iter()
+            .collect();
         let in_table = {
             let mut client = self.pool.get().await?;
             let tx = client.transaction().await?;
@@ -183,38 +212,47 @@ impl SharedIdsWatch {
             tx.commit().await?;
             found
         };
-        let mut all: HashMap<Uuid, BTreeSet<i64>> = handed.clone();
-        for (event_id, rows) in in_table {
-            all.entry(event_id).or_default().extend(rows);
+        let mut all: HashMap<Key, BTreeSet<i64>> = handed.clone();
+        for (event_id, row_id, event_name) in in_table {
+            let queue = self.tasks.queue_for(&event_name).clone();
+            all.entry((queue, event_id)).or_default().insert(row_id);
         }
-        for (event_id, rows) in all {
-            self.note(event_id, rows);
+        for (key, rows) in all {
+            self.note(key, rows);
         }
         Ok(())
     }
 
-    /// Counts and logs the rows of `event_id` not counted before, if more than one row has it.
-    fn note(&mut self, event_id: Uuid, rows: BTreeSet<i64>) {
+    /// Counts and logs the rows of a group not counted before, if it has more than one row.
+    fn note(&mut self, key: Key, rows: BTreeSet<i64>) {
         if rows.len() < 2 {
             return;
         }
-        let new = match self.reported.get(&event_id) {
+        let new = match self.reported.get(&key) {
             None => rows.len() - 1,
             Some(counted) => rows.difference(counted).count(),
         };
         if new == 0 {
             return;
         }
-        if self.reported.len() >= MAX_REPORTED && !self.reported.contains_key(&event_id) {
+        if self.reported_rows + rows.len() > MAX_REPORTED {
             self.reported.clear();
+            self.reported_rows = 0;
         }
-        self.reported.entry(event_id).or_default().extend(&rows);
+        let counted = self.reported.entry(key.clone()).or_default();
+        let before = counted.len();
+        counted.extend(&rows);
+        self.reported_rows += counted.len() - before;
         self.metrics.shared_event_id.inc_by(new as u64);
+        let (queue, event_id) = key;
+        let first: Vec<i64> = rows.iter().copied().take(LOGGED_ROWS).collect();
         tracing::warn!(
             %event_id,
-            rows = ?rows,
-            "rows share an event_id: Valkey holds one task for all of them (asynq keeps one \
-             task per TaskID), so only the first row delivered became a task and the others \
+            queue = %queue,
+            rows = rows.len(),
+            first_row_ids = ?first,
+            "rows share an event_id in one queue: Valkey holds one task for all of them (asynq \
+             keeps one task per TaskID in a queue), so only the first row delivered became a task and the others \
              were marked published without one; give each event its own event_id, and \
              restore the table's UNIQUE (event_id)"
         );

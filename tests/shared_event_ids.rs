@@ -260,3 +260,67 @@ async fn an_invalid_unique_index_is_not_unique() {
     assert!(setup::has_event_id_index(&c, &table).await.unwrap());
     assert!(!setup::has_unique_event_id(&c, &table).await.unwrap());
 }
+
+/// asynq's TaskID is unique per queue (`asynq:{<queue>}:t:<id>`): two rows with one event_id
+/// routed to different queues are two tasks, each with its own payload, and are not counted
+/// (found by review). A replay of both, in the same write as a third row that shares the
+/// event_id in one of the queues, counts that third row alone: grouping by event_id only would
+/// count two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_sharing_an_event_id_in_different_queues_are_two_tasks() {
+    let (db, redis) = database_and_redis("sharedqueues").await;
+    drop_unique_event_id(&db).await;
+    let args = [
+        "--mode",
+        "poll",
+        "--poll-interval",
+        "100ms",
+        "--queue-routes",
+        "a.*=qa,b.*=qb",
+    ];
+    let insert = "INSERT INTO outbox_events (event_id, event_name, payload, metadata) \
+                  VALUES ($1::text::uuid, $2, '{}', '{}')";
+    let mut c = db.client().await;
+    for name in ["a.created", "b.created"] {
+        c.execute(insert, &[&SHARED, &name]).await.unwrap();
+    }
+    let relay = Relay::start(run_args(&db, &redis.url, &args));
+    eventually("both rows delivered", || async {
+        (relay.metrics.published.get() == 2).then_some(())
+    })
+    .await;
+    assert_eq!(relay.metrics.duplicates.get(), 0, "two queues, two tasks");
+    relay.stop().await;
+    for q in ["qa", "qb"] {
+        assert!(
+            task(&mut redis.conn().await, q, SHARED).await.is_some(),
+            "each row has its own task in {q}"
+        );
+    }
+    let tx = c.transaction().await.unwrap();
+    tx.execute("UPDATE outbox_events SET published_at = NULL", &[])
+        .await
+        .unwrap();
+    tx.execute(insert, &[&SHARED, &"a.updated"]).await.unwrap();
+    tx.commit().await.unwrap();
+    let relay = Relay::start(run_args(&db, &redis.url, &args));
+    eventually("the three rows delivered", || async {
+        (relay.metrics.published.get() == 3).then_some(())
+    })
+    .await;
+    assert_eq!(
+        relay.metrics.duplicates.get(),
+        3,
+        "two replays and the third row"
+    );
+    eventually("the third row counted", || async {
+        (relay.metrics.shared_event_id.get() >= 1).then_some(())
+    })
+    .await;
+    assert_eq!(
+        relay.metrics.shared_event_id.get(),
+        1,
+        "only the row sharing qa's task; the row in qb has its own"
+    );
+    relay.stop().await;
+}

@@ -262,7 +262,18 @@ impl<'a, S: Sink> Session<'a, S> {
                 }
                 m.rows_rejected.inc_by(outcome.rejected.len() as u64);
                 if let Some(shared_ids) = self.cx.shared_ids.filter(|_| outcome.duplicates > 0) {
-                    shared_ids.check(delivered.clone());
+                    shared_ids.check(
+                        batch
+                            .tasks
+                            .iter()
+                            .zip(outcome.refused(batch.len()))
+                            .filter(|(_, refused)| !refused)
+                            .filter_map(|(task, _)| {
+                                let event_id = uuid::Uuid::parse_str(&task.id).ok()?;
+                                Some((task.row_id?, event_id, task.queue.clone()))
+                            })
+                            .collect(),
+                    );
                 }
                 if let Some(marker) = self.cx.marker {
                     marker.mark(delivered);

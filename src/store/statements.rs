@@ -195,24 +195,23 @@ impl Store {
             .collect())
     }
 
-    /// The row ids the table holds for each of `event_ids` (in id order; event ids of no row
-    /// left out). Used only when the table has no unique index on event_id
+    /// The rows the table holds with any of `event_ids`: (event_id, id, event_name), at most
+    /// 100,000. Used only when the table has no unique index on event_id
     /// (crate::shared_event_ids).
     pub async fn rows_sharing_event_ids(
         &self,
         client: &impl GenericClient,
         event_ids: &[uuid::Uuid],
-    ) -> Result<Vec<(uuid::Uuid, Vec<i64>)>, tokio_postgres::Error> {
+    ) -> Result<Vec<(uuid::Uuid, i64, String)>, tokio_postgres::Error> {
         let sql = format!(
-            "SELECT event_id, array_agg(id ORDER BY id) FROM {} WHERE event_id = ANY($1) \
-             GROUP BY event_id",
+            "SELECT event_id, id, event_name FROM {} WHERE event_id = ANY($1) LIMIT 100000",
             self.table.sql()
         );
         Ok(client
             .query(&sql, &[&event_ids])
             .await?
             .iter()
-            .map(|r| (r.get(0), r.get(1)))
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
             .collect())
     }
 
