@@ -116,7 +116,7 @@ pub struct Metrics {
     pub publication_recreated: Counter,
     /// Rows found sharing their event_id with an earlier row (one task for all of them).
     pub shared_event_id: Counter,
-    /// Event ids the shared-event_id check had no room or no connection to check.
+    /// Rows the shared-event_id check had no room or no answer to check.
     pub shared_event_id_unchecked: Counter,
     /// Liveness of the dependencies, for /readyz.
     pub health: crate::health::Health,
@@ -177,15 +177,15 @@ impl Metrics {
         );
         registry.register(
             "outbox_events_shared_event_id",
-            "Rows that share their event_id with another row: asynq keeps one task for all of \
-             them, so these rows were marked published without a task of their own (checked only \
-             when the table has no UNIQUE event_id)",
+            "Rows that share their event_id with another row routed to the same queue: asynq \
+             keeps one task for all of them, so these rows were marked published without a task \
+             of their own (checked only when the table has no UNIQUE event_id)",
             m.shared_event_id.clone(),
         );
         registry.register(
             "outbox_events_shared_event_id_unchecked",
-            "Event ids met as existing TaskIDs that the shared-event_id check could not look up \
-             (too many waiting, or Postgres unreachable)",
+            "Rows of writes that met existing TaskIDs that the shared-event_id check could not \
+             look up (too many waiting, or the query failed)",
             m.shared_event_id_unchecked.clone(),
         );
         registry.register(
