@@ -1,4 +1,5 @@
-//! Bounded memory, measured on the real binary: while Valkey is down or black-holed the relay
+//! Bounded memory, measured on the real binary: while Valkey is down the relay stops reading, so
+//! Postgres holds the backlog; while Valkey is down or black-holed the relay
 //! holds at most its in-flight bound unconfirmed (`outbox_inflight_batches` and `_bytes`) and its
 //! resident memory does not grow with each retry, with rows of about 1 MB; and one huge
 //! transaction costs no more memory than one a fifth of its size.
@@ -274,4 +275,84 @@ async fn memory_does_not_grow_with_the_size_of_a_transaction() {
         big.saturating_sub(small) < extra_task_kib / 4,
         "peak RSS {small} KiB -> {big} KiB for {extra_task_kib} KiB more tasks"
     );
+}
+
+/// While Valkey is down the session stops reading once its batches are full, so the walsender
+/// is held back rather than the relay's memory filling up. The backlog here (20,000 rows of
+/// about 5 KB, some 100 MB of WAL, stored uncompressed) is far larger than everything that may hold part of it:
+/// the in-flight batches, the open batch, the 2,048 events between the socket reader and the
+/// session, and the kernel's socket buffers (a few MB on loopback). So the position Postgres
+/// has sent stays behind the backlog's end however many writes fail. A session that read on
+/// past a full batch would take the whole backlog into memory; the 1 MB-row tests above cannot
+/// tell, since their 60 rows fit in the reader's buffer anyway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_stopped_holds_the_walsender_back() {
+    let db = TestDb::new("mem_holdback").await;
+    let redis = Redis::start();
+    let relay = ObservedRelay::spawn_streaming(
+        &db,
+        &redis.url,
+        &[
+            "--max-inflight-batches",
+            "2",
+            "--batch-size",
+            "100",
+            "--valkey-timeout",
+            "1s",
+            "--recovery",
+            "false",
+            "--on-slot-lost",
+            "stop",
+        ],
+    )
+    .await;
+    let mut c = db.client().await;
+    insert_events(&mut c, "warm.up", 10, 10).await;
+    wait_pending(&redis, "default", 10).await;
+    // Payloads stored as they are, not compressed, so the WAL carries all of them.
+    c.batch_execute("ALTER TABLE outbox_events ALTER COLUMN payload SET STORAGE EXTERNAL")
+        .await
+        .unwrap();
+    let started = db.current_lsn().await;
+    redis.stop();
+    for _ in 0..10 {
+        c.execute(
+            "INSERT INTO outbox_events (event_id, event_name, payload)
+             SELECT gen_random_uuid(), 'bulk.row', jsonb_build_object('pad', repeat('x', 5000))
+             FROM generate_series(1, 2000)",
+            &[],
+        )
+        .await
+        .unwrap();
+    }
+    let written = db.current_lsn().await;
+    let errors_then = eventually("writes fail", || async {
+        let errors = relay.metric("outbox_valkey_write_errors_total").await?;
+        (errors >= 2.0).then_some(errors)
+    })
+    .await;
+    // Ten more failed writes: seconds of retries, while a relay that read on would read the
+    // whole backlog.
+    eventually("ten more failed writes", || async {
+        let errors = relay.metric("outbox_valkey_write_errors_total").await?;
+        (errors >= errors_then + 10.0).then_some(())
+    })
+    .await;
+    let sent = lsn_sent_to(&db).await;
+    println!(
+        "MEMORY holdback backlog_bytes={} sent_bytes={} rss_kib={}",
+        written - started,
+        sent.saturating_sub(started),
+        relay.rss_kib()
+    );
+    assert!(
+        sent < started + (written - started) / 2,
+        "Postgres sent {} of the backlog's {} bytes while Valkey was down: the relay read on",
+        sent.saturating_sub(started),
+        written - started
+    );
+    redis.restart();
+    // The warm-up's tasks went with the stopped server; the backlog is all delivered.
+    let ids = wait_pending(&redis, "default", 20_000).await;
+    assert_eq!(ids.len(), 20_000);
 }
