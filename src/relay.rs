@@ -182,8 +182,8 @@ async fn warn_on_eviction(sink: &ValkeySink) {
 }
 
 /// Without a unique index on event_id, warns and starts the check for rows that share one
-/// (crate::shared_event_ids). A failed look-up is logged and treated as unique: the check only
-/// diagnoses.
+/// (crate::shared_event_ids). A failed look-up is logged and the check started anyway: with a
+/// unique index it finds nothing, and its look-ups use that index.
 async fn watch_shared_event_ids(
     pool: &deadpool_postgres::Pool,
     store: &Store,
@@ -204,8 +204,8 @@ async fn watch_shared_event_ids(
         .map_err(|e: setup::SetupError| error_chain(&e)),
         Err(e) => Err(error_chain(&e)),
     };
-    match indexes {
-        Ok((true, _)) => None,
+    let indexed = match indexes {
+        Ok((true, _)) => return None,
         Ok((false, indexed)) => {
             tracing::warn!(
                 table = %table.sql(),
@@ -213,24 +213,29 @@ async fn watch_shared_event_ids(
                  become one task (asynq keeps one task per TaskID); such rows are logged and \
                  counted in outbox_events_shared_event_id_total"
             );
-            if !indexed {
-                tracing::warn!(
-                    table = %table.sql(),
-                    "no index on event_id either: each check for rows sharing an event_id scans \
-                     the table (the checks are spaced out by how long they take); \
-                     CREATE INDEX CONCURRENTLY ON <table> (event_id) makes them cheap"
-                );
-            }
-            let (watch, handle) =
-                SharedIdsWatch::new(pool.clone(), store.clone(), tasks.clone(), metrics.clone());
-            set.spawn(watch.run(background.clone()));
-            Some(handle)
+            indexed
         }
         Err(e) => {
-            tracing::warn!(error = %e, "could not check event_id for a unique index");
-            None
+            tracing::warn!(
+                error = %e,
+                "could not check event_id for a unique index; checking writes that meet existing \
+                 TaskIDs for rows sharing an event_id, in case"
+            );
+            true
         }
+    };
+    if !indexed {
+        tracing::warn!(
+            table = %table.sql(),
+            "no index on event_id either: each check for rows sharing an event_id scans \
+             the table (the checks are spaced out by how long they take); \
+             CREATE INDEX CONCURRENTLY ON <table> (event_id) makes them cheap"
+        );
     }
+    let (watch, handle) =
+        SharedIdsWatch::new(pool.clone(), store.clone(), tasks.clone(), metrics.clone());
+    set.spawn(watch.run(background.clone()));
+    Some(handle)
 }
 
 /// Runs the relay until `shutdown` fires.
