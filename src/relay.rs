@@ -210,8 +210,8 @@ async fn watch_shared_event_ids(
             tracing::warn!(
                 table = %table.sql(),
                 "the outbox table has no unique index on event_id: two rows with one event_id \
-                 become one task (asynq keeps one task per TaskID); such rows are logged and \
-                 counted in outbox_events_shared_event_id_total"
+                 in one queue become one task (asynq keeps one task per TaskID in a queue); \
+                 such rows are logged and counted in outbox_events_shared_event_id_total"
             );
             indexed
         }

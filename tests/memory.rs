@@ -58,12 +58,17 @@ async fn lsn_sent_to(db: &TestDb) -> u64 {
         .map_or(0, |v| v as u64)
 }
 
-async fn outage_keeps_memory_bounded(outage: Outage) {
-    let db = TestDb::new("mem_outage").await;
-    let redis = Redis::start();
-    let (inflight, batch) = (MAX_INFLIGHT.to_string(), BATCH_ROWS.to_string());
+/// A streaming relay with `inflight` batches of `batch` rows in flight at most, a 1 s Valkey
+/// timeout and no recovery poller, once ten warm-up rows are delivered.
+async fn warmed_up_relay(
+    db: &TestDb,
+    redis: &Redis,
+    inflight: usize,
+    batch: usize,
+) -> (ObservedRelay, tokio_postgres::Client) {
+    let (inflight, batch) = (inflight.to_string(), batch.to_string());
     let relay = ObservedRelay::spawn_streaming(
-        &db,
+        db,
         &redis.url,
         &[
             "--max-inflight-batches",
@@ -81,7 +86,14 @@ async fn outage_keeps_memory_bounded(outage: Outage) {
     .await;
     let mut c = db.client().await;
     insert_events(&mut c, "warm.up", 10, 10).await;
-    wait_pending(&redis, "default", 10).await;
+    wait_pending(redis, "default", 10).await;
+    (relay, c)
+}
+
+async fn outage_keeps_memory_bounded(outage: Outage) {
+    let db = TestDb::new("mem_outage").await;
+    let redis = Redis::start();
+    let (relay, c) = warmed_up_relay(&db, &redis, MAX_INFLIGHT, BATCH_ROWS).await;
     let baseline = relay.rss_kib();
     let pid = redis_pid(&redis);
     let _resume = Resume(pid);
@@ -289,26 +301,7 @@ async fn memory_does_not_grow_with_the_size_of_a_transaction() {
 async fn valkey_stopped_holds_the_walsender_back() {
     let db = TestDb::new("mem_holdback").await;
     let redis = Redis::start();
-    let relay = ObservedRelay::spawn_streaming(
-        &db,
-        &redis.url,
-        &[
-            "--max-inflight-batches",
-            "2",
-            "--batch-size",
-            "100",
-            "--valkey-timeout",
-            "1s",
-            "--recovery",
-            "false",
-            "--on-slot-lost",
-            "stop",
-        ],
-    )
-    .await;
-    let mut c = db.client().await;
-    insert_events(&mut c, "warm.up", 10, 10).await;
-    wait_pending(&redis, "default", 10).await;
+    let (relay, c) = warmed_up_relay(&db, &redis, 2, 100).await;
     // Payloads stored as they are, not compressed, so the WAL carries all of them.
     c.batch_execute("ALTER TABLE outbox_events ALTER COLUMN payload SET STORAGE EXTERNAL")
         .await
