@@ -3,55 +3,83 @@
 
 use std::collections::BTreeMap;
 
+/// Bytes that stop the copy of a plain run: the ones Go escapes, and 0xE2, the lead byte of
+/// U+2028/U+2029 (checked in full where it appears). Every other byte is copied as it is.
+const STOPS: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut b = 0;
+    while b < 0x20 {
+        t[b] = true;
+        b += 1;
+    }
+    t[b'"' as usize] = true;
+    t[b'\\' as usize] = true;
+    t[b'<' as usize] = true;
+    t[b'>' as usize] = true;
+    t[b'&' as usize] = true;
+    t[0xe2] = true;
+    t
+};
+
 /// Appends `s` as a JSON string the way Go's `json.Marshal` does: HTML-sensitive characters and
 /// U+2028/U+2029 escaped, control characters as `\uXXXX` with lowercase hex.
+///
+/// Plain runs are found with one table look-up a byte and copied whole: this is on every task's
+/// path (the profile in docs/benchmarks.md had the byte-by-byte version as the relay's hottest
+/// function).
 pub fn write_go_string(out: &mut Vec<u8>, s: &str) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    out.push(b'"');
     let bytes = s.as_bytes();
+    out.reserve(bytes.len() + 2);
+    out.push(b'"');
     let mut start = 0;
     let mut i = 0;
     while i < bytes.len() {
         let b = bytes[i];
-        let short: Option<&[u8]> = match b {
-            b'"' => Some(b"\\\""),
-            b'\\' => Some(b"\\\\"),
-            b'\n' => Some(b"\\n"),
-            b'\r' => Some(b"\\r"),
-            b'\t' => Some(b"\\t"),
-            0x08 => Some(b"\\b"),
-            0x0c => Some(b"\\f"),
-            _ => None,
-        };
-        if let Some(esc) = short {
-            out.extend_from_slice(&bytes[start..i]);
-            out.extend_from_slice(esc);
+        if !STOPS[usize::from(b)] {
             i += 1;
-            start = i;
-        } else if b < 0x20 || b == b'<' || b == b'>' || b == b'&' {
-            out.extend_from_slice(&bytes[start..i]);
-            out.extend_from_slice(b"\\u00");
-            out.push(HEX[usize::from(b >> 4)]);
-            out.push(HEX[usize::from(b & 0xf)]);
-            i += 1;
-            start = i;
-        } else if b == 0xe2
-            && i + 2 < bytes.len()
-            && bytes[i + 1] == 0x80
-            && (bytes[i + 2] & 0xfe) == 0xa8
-        {
-            // U+2028 LINE SEPARATOR and U+2029 PARAGRAPH SEPARATOR.
-            out.extend_from_slice(&bytes[start..i]);
-            out.extend_from_slice(if bytes[i + 2] == 0xa8 {
-                b"\\u2028"
-            } else {
-                b"\\u2029"
-            });
-            i += 3;
-            start = i;
-        } else {
-            i += 1;
+            continue;
         }
+        let esc: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x08 => b"\\b",
+            0x0c => b"\\f",
+            0xe2 => {
+                // U+2028 LINE SEPARATOR and U+2029 PARAGRAPH SEPARATOR; any other character
+                // with this lead byte is copied as it is.
+                if i + 2 < bytes.len() && bytes[i + 1] == 0x80 && (bytes[i + 2] & 0xfe) == 0xa8 {
+                    out.extend_from_slice(&bytes[start..i]);
+                    out.extend_from_slice(if bytes[i + 2] == 0xa8 {
+                        b"\\u2028"
+                    } else {
+                        b"\\u2029"
+                    });
+                    i += 3;
+                    start = i;
+                } else {
+                    i += 1;
+                }
+                continue;
+            }
+            _ => {
+                // The other control characters, and < > &.
+                out.extend_from_slice(&bytes[start..i]);
+                out.extend_from_slice(b"\\u00");
+                out.push(HEX[usize::from(b >> 4)]);
+                out.push(HEX[usize::from(b & 0xf)]);
+                i += 1;
+                start = i;
+                continue;
+            }
+        };
+        out.extend_from_slice(&bytes[start..i]);
+        out.extend_from_slice(esc);
+        i += 1;
+        start = i;
     }
     out.extend_from_slice(&bytes[start..]);
     out.push(b'"');
@@ -97,6 +125,51 @@ mod tests {
         let s = "tricky \" \\ \n <tag> & \u{2028} \u{0} é";
         let back: String = serde_json::from_str(&go(s)).unwrap();
         assert_eq!(back, s);
+    }
+
+    /// The byte-by-byte escaping this module had before the table: the fast path must write
+    /// exactly what it wrote.
+    fn reference(s: &str) -> Vec<u8> {
+        let mut out = vec![b'"'];
+        let bytes = s.as_bytes();
+        let mut i = 0;
+        while i < bytes.len() {
+            let b = bytes[i];
+            match b {
+                b'"' => out.extend_from_slice(b"\\\""),
+                b'\\' => out.extend_from_slice(b"\\\\"),
+                b'\n' => out.extend_from_slice(b"\\n"),
+                b'\r' => out.extend_from_slice(b"\\r"),
+                b'\t' => out.extend_from_slice(b"\\t"),
+                0x08 => out.extend_from_slice(b"\\b"),
+                0x0c => out.extend_from_slice(b"\\f"),
+                _ if b < 0x20 || b == b'<' || b == b'>' || b == b'&' => {
+                    out.extend_from_slice(format!("\\u{b:04x}").as_bytes())
+                }
+                0xe2 if bytes.get(i + 1) == Some(&0x80)
+                    && bytes.get(i + 2).is_some_and(|c| c & 0xfe == 0xa8) =>
+                {
+                    let last = if bytes[i + 2] == 0xa8 { '8' } else { '9' };
+                    out.extend_from_slice(format!("\\u202{last}").as_bytes());
+                    i += 2;
+                }
+                _ => out.push(b),
+            }
+            i += 1;
+        }
+        out.push(b'"');
+        out
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_table_writes_what_the_byte_loop_wrote(s in "(?s:.{0,64})|[\\x00-\\x7f\u{2027}-\u{202a}<>&\"\\\\]{0,64}") {
+            let mut out = b"prefix".to_vec();
+            write_go_string(&mut out, &s);
+            proptest::prop_assert_eq!(&out[6..], &reference(&s)[..]);
+            let back: String = serde_json::from_slice(&out[6..]).unwrap();
+            proptest::prop_assert_eq!(back, s);
+        }
     }
 
     #[test]
