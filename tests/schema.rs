@@ -189,7 +189,9 @@ async fn trace_context_headers_and_queue_routes() {
 }
 
 /// A publication that publishes everything: UPDATE, DELETE and TRUNCATE produce no task and no
-/// error, and inserts keep flowing.
+/// error, and inserts keep flowing. The UPDATE gives the row a new event_id, so that a relay
+/// taking an update's new tuple for an insert would enqueue a third task (an update that kept
+/// the event_id would hide it: the TaskID dedupes it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn update_delete_truncate_are_ignored() {
     let db = TestDb::new("ops").await;
@@ -202,7 +204,7 @@ async fn update_delete_truncate_are_ignored() {
         Relay::start_streaming(run_args(&db, &redis.url, &["--publication", "all_ops"])).await;
     c.batch_execute(
         "INSERT INTO outbox_events (event_id, event_name, payload) VALUES ('00000000-0000-4000-8000-000000000001', 'a', '{}');
-         UPDATE outbox_events SET published_at = now();
+         UPDATE outbox_events SET event_id = '00000000-0000-4000-8000-000000000003', published_at = now();
          DELETE FROM outbox_events;
          TRUNCATE outbox_events;
          INSERT INTO outbox_events (event_id, event_name, payload) VALUES ('00000000-0000-4000-8000-000000000002', 'b', '{}');",
