@@ -315,3 +315,66 @@ async fn migrate_twice_and_over_the_kit_table_changes_nothing() {
         "inserts only, on the outbox"
     );
 }
+
+/// An outbox whose `id` is not a bigint (a `serial`, a uuid) is refused at start, before a slot
+/// exists: the poller and the marker read `id` as a bigint, so on such a table the recovery
+/// poller would panic on its first row and every row only it can deliver (rows from before the
+/// slot, bad rows, refused queues) would never be. Found by review; both tables started
+/// without a word before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_that_is_not_bigint_is_refused_before_the_slot_exists() {
+    for (name, id, found) in [
+        ("idint4", "id serial PRIMARY KEY", "integer"),
+        (
+            "iduuid",
+            "id uuid PRIMARY KEY DEFAULT gen_random_uuid()",
+            "uuid",
+        ),
+    ] {
+        let db = TestDb::on(&shared_pg_url(), name, false).await;
+        db.client()
+            .await
+            .batch_execute(&format!(
+                "CREATE TABLE outbox_events (
+                    {id},
+                    event_id     uuid        NOT NULL UNIQUE,
+                    event_name   text        NOT NULL,
+                    payload      jsonb       NOT NULL,
+                    metadata     jsonb       NOT NULL DEFAULT '{{}}'::jsonb,
+                    created_at   timestamptz NOT NULL DEFAULT now(),
+                    published_at timestamptz,
+                    attempts integer NOT NULL DEFAULT 0,
+                    last_error text,
+                    next_attempt_at timestamptz,
+                    dead_at timestamptz)"
+            ))
+            .await
+            .unwrap();
+        // A row from before the slot: only the recovery poller could deliver it, so a relay
+        // that started anyway would meet the bigint read on it within a poll.
+        db.client()
+            .await
+            .batch_execute(
+                "INSERT INTO outbox_events (event_id, event_name, payload, created_at)
+                 VALUES (gen_random_uuid(), 'before.slot', '{}', now() - interval '1 hour')",
+            )
+            .await
+            .unwrap();
+        let redis = Redis::start();
+        let msg = Relay::failure(run_args(
+            &db,
+            &redis.url,
+            &["--recovery-grace", "1s", "--poll-interval", "200ms"],
+        ))
+        .await;
+        assert!(
+            msg.contains(&format!("column id is {found}, not bigint")),
+            "{msg}"
+        );
+        assert!(msg.contains("ALTER COLUMN id TYPE bigint"), "{msg}");
+        assert!(
+            !slot_exists(&db).await,
+            "the refused run left a slot behind"
+        );
+    }
+}

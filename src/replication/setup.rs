@@ -35,6 +35,12 @@ pub enum SetupError {
     )]
     MissingColumns { table: String, missing: String },
     #[error(
+        "the outbox table {table}'s column id is {found}, not bigint: the poller and the marker \
+         claim and mark rows by a 64-bit id (the Go kit's table has `id bigint GENERATED ALWAYS \
+         AS IDENTITY`); run `ALTER TABLE {table} ALTER COLUMN id TYPE bigint;`"
+    )]
+    IdNotBigint { table: String, found: String },
+    #[error(
         "the outbox table {0} lacks the delivery-state columns (attempts, last_error, \
          next_attempt_at, dead_at) the poller needs: run `outbox-relay migrate` (additive; the Go \
          kit's relay keeps working)"
@@ -203,14 +209,15 @@ pub async fn check_table(client: &Client, table: &TableName) -> Result<(), Setup
     };
     let rows = client
         .query(
-            "SELECT attname::text FROM pg_attribute WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped",
+            "SELECT attname::text, format_type(atttypid, atttypmod) FROM pg_attribute \
+             WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped",
             &[&oid],
         )
         .await?;
-    let have: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    let have: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
     let missing: Vec<&str> = OutboxColumn::ALL
         .into_iter()
-        .filter(|c| c.required() && !have.iter().any(|h| h == c.name()))
+        .filter(|c| c.required() && !have.iter().any(|(h, _)| h == c.name()))
         .map(OutboxColumn::name)
         .collect();
     if !missing.is_empty() {
@@ -218,6 +225,18 @@ pub async fn check_table(client: &Client, table: &TableName) -> Result<(), Setup
             table: table.sql(),
             missing: missing.join(", "),
         });
+    }
+    // The stream reads `id` as text and parses it as an i64, but the poller and the marker
+    // read it as a bigint: with an integer, uuid or text id they fail on every row (a uuid id
+    // makes every row a bad row to the stream as well), so rows only the poller can deliver
+    // would never be. Refused before anything is acknowledged.
+    if let Some((_, found)) = have.iter().find(|(name, _)| name == "id") {
+        if found != "bigint" {
+            return Err(SetupError::IdNotBigint {
+                table: table.sql(),
+                found: found.clone(),
+            });
+        }
     }
     Ok(())
 }

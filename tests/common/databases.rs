@@ -110,6 +110,25 @@ impl TestDb {
         .await
     }
 
+    /// The pid of the walsender holding the slot, once one other than `not` holds it: after a
+    /// kill, the slot can still show the dying walsender as active for a moment, and a kill
+    /// aimed at it would not land.
+    pub async fn wait_walsender_other_than(&self, not: Option<i32>) -> i32 {
+        eventually("a new walsender holds the slot", || async {
+            let c = self.client().await;
+            let row = c
+                .query_opt(
+                    "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    &[&self.slot],
+                )
+                .await
+                .unwrap()?;
+            let pid: Option<i32> = row.get(0);
+            pid.filter(|p| Some(*p) != not)
+        })
+        .await
+    }
+
     /// A role made with exactly docs/least-privilege.sql (role, password and database names
     /// replaced), and this database as that role: the relay runs as it, while the test keeps
     /// using `self` (the owner) to insert rows and look.
