@@ -1,4 +1,4 @@
-//! Runs every SQL and shell block of docs/operations.md, in the order written, against a
+//! Runs the SQL and shell blocks of docs/operations.md, in the order written, against a
 //! throwaway primary and streaming standby of the version under test (the matrix runs it on each).
 //!
 //! How blocks are marked is in tests/common/runbook_blocks.rs. The major-version upgrade's

@@ -7,7 +7,7 @@
 //! owner of both data directories, as pg_upgrade requires), from a directory of their own
 //! (pg_upgrade puts its sockets and files in the current directory).
 
-use super::runbook_blocks::{blocks, operations_doc, Block};
+use super::runbook_blocks::{blocks, operations_doc, Block, UPGRADE_SERVERS};
 use super::{connect, script_env, scripts, tmp_dir};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -153,7 +153,7 @@ impl<'a> UpgradeRun<'a> {
         let old_major = super::pg_standby::server_major(&connect(&old.url).await).await;
         let blocks: Vec<Block> = blocks(&operations_doc())
             .into_iter()
-            .filter(|b| matches!(b.server.as_str(), "upgrade" | "upgraded"))
+            .filter(|b| UPGRADE_SERVERS.contains(&b.server.as_str()))
             .filter(|b| old_major >= b.min_major)
             .collect();
         assert!(
