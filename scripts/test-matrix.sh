@@ -10,9 +10,13 @@
 # scenarios (tests/faults.rs; FAULTS_ON=none leaves them out), the failover
 # (tests/failover.rs) and the
 # runbook's commands (tests/runbook.rs), each version
-# through scripts/test.sh --pg MAJOR --valkey. The full suite runs on the
+# through scripts/test.sh --pg MAJOR --valkey. Then pg_upgrade under the relay
+# (tests/upgrade.rs: 16 to 18 and 17 to 18, with the full installs of
+# scripts/fetch-postgres-full.sh; UPGRADE=off leaves it out), through
+# scripts/test.sh --upgrade --valkey. The full suite runs on the
 # system's PostgreSQL 15 and Redis 7 (plain scripts/test.sh). Prints one line
-# per version with its time, and exits non-zero if any version failed.
+# per version (and one for the upgrade) with its time, and exits non-zero if
+# any failed.
 set -euo pipefail
 
 SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -29,12 +33,18 @@ CORE=(--no-fail-fast --test stream --test poller --test failover --test runbook)
 # The fault scenarios (about 110 s a version here) run on every version: FAULTS_ON=all, or one
 # major (e.g. FAULTS_ON=17), or none, from the environment.
 FAULTS_ON=${FAULTS_ON:-all}
+UPGRADE=${UPGRADE:-on}
 
 # Fetch first, so a registry problem shows as such and not as a test failure.
 "$SCRIPTS/fetch-valkey.sh" >/dev/null
 for v in "${VERSIONS[@]}"; do
     "$SCRIPTS/fetch-postgres.sh" "$v" >/dev/null
 done
+if [[ $UPGRADE == on ]]; then
+    for v in 16 17 18; do
+        "$SCRIPTS/fetch-postgres-full.sh" "$v" >/dev/null
+    done
+fi
 
 failed=()
 summary=()
@@ -51,6 +61,17 @@ for v in "${VERSIONS[@]}"; do
     fi
     summary+=("MATRIX pg=$v valkey=8.1 result=$result seconds=$((SECONDS - start))")
 done
+if [[ $UPGRADE == on ]]; then
+    start=$SECONDS
+    log "pg_upgrade 16 -> 18 and 17 -> 18 + Valkey 8.1"
+    if "$SCRIPTS/test.sh" --upgrade --valkey --test upgrade; then
+        result=ok
+    else
+        result=FAILED
+        failed+=("upgrade")
+    fi
+    summary+=("MATRIX pg_upgrade=16,17->18 valkey=8.1 result=$result seconds=$((SECONDS - start))")
+fi
 printf '%s\n' "${summary[@]}"
 if [[ ${#failed[@]} -gt 0 ]]; then
     die "failed on PostgreSQL ${failed[*]}"

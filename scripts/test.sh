@@ -2,7 +2,7 @@
 # scripts/test.sh — the project's test command.
 #
 # Usage:
-#   scripts/test.sh [--quick] [--pg MAJOR] [--valkey] [CARGO_TEST_ARGS...]
+#   scripts/test.sh [--quick] [--pg MAJOR] [--valkey] [--upgrade] [CARGO_TEST_ARGS...]
 #
 #   --quick  exports OUTBOX_TEST_QUICK=1 so slow tests can cut themselves short.
 #   --pg MAJOR  runs every Postgres of the tests (the shared one and those the
@@ -10,6 +10,9 @@
 #            scripts/fetch-postgres.sh: exports OUTBOX_TEST_PG_BINDIR.
 #   --valkey runs every Redis server of the tests with valkey-server 8.1 from
 #            scripts/fetch-valkey.sh: exports OUTBOX_TEST_REDIS_SERVER.
+#   --upgrade fetches full PostgreSQL 16, 17 and 18 installs (with pg_upgrade) with
+#            scripts/fetch-postgres-full.sh for tests/upgrade.rs: exports
+#            OUTBOX_TEST_PG_FULL_16, OUTBOX_TEST_PG_FULL_17 and OUTBOX_TEST_PG_FULL_18.
 #   These options come first and are not forwarded; without them the system's
 #   PostgreSQL and redis-server run (or OUTBOX_TEST_PG_BINDIR /
 #   OUTBOX_TEST_REDIS_SERVER from the environment).
@@ -50,6 +53,12 @@ while [[ $# -gt 0 ]]; do
     --valkey)
         OUTBOX_TEST_REDIS_SERVER=$("$SCRIPTS/fetch-valkey.sh")
         export OUTBOX_TEST_REDIS_SERVER
+        ;;
+    --upgrade)
+        for major in 16 17 18; do
+            bindir=$("$SCRIPTS/fetch-postgres-full.sh" "$major")
+            export "OUTBOX_TEST_PG_FULL_$major=$bindir"
+        done
         ;;
     *) break ;;
     esac

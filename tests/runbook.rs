@@ -1,94 +1,23 @@
-//! Runs every SQL and shell block of docs/operations.md, in the order written, against a
+//! Runs the SQL and shell blocks of docs/operations.md, in the order written, against a
 //! throwaway primary and streaming standby of the version under test (the matrix runs it on each).
 //!
-//! Each block carries a comment `<!-- runbook: SERVER[, N+][, wait] -->` just above it:
-//! SERVER is `primary`, `standby`, `new primary` (the standby once promoted), `old primary`, or
-//! `shell` (run with bash, `$PRIMARY_URL` and `$STANDBY_URL` set); `N+` skips it before version N;
-//! `wait` repeats it until it returns a row. A block without the comment fails the test, so the
-//! runbook cannot hold a command that was never run.
+//! How blocks are marked is in tests/common/runbook_blocks.rs. The major-version upgrade's
+//! blocks (`upgrade`, `upgraded`) need two installs and are tests/upgrade.rs's; this test runs
+//! every other block.
 
 mod common;
 
 use common::pg_standby::{server_major, PgPair};
+use common::runbook_blocks::{blocks, operations_doc, UPGRADE_SERVERS};
 use common::*;
 use std::time::Duration;
 
-#[derive(Debug)]
-struct Block {
-    line: usize,
-    lang: String,
-    server: String,
-    min_major: i32,
-    wait: bool,
-    text: String,
-}
-
-fn blocks(doc: &str) -> Vec<Block> {
-    let lines: Vec<&str> = doc.lines().collect();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < lines.len() {
-        let line = lines[i].trim();
-        let Some(lang) = line
-            .strip_prefix("```")
-            .filter(|l| matches!(*l, "sql" | "sh"))
-        else {
-            i += 1;
-            continue;
-        };
-        let note = (i > 0)
-            .then(|| lines[i - 1].trim())
-            .and_then(|l| l.strip_prefix("<!-- runbook:"))
-            .and_then(|l| l.strip_suffix("-->"))
-            .unwrap_or_else(|| {
-                panic!(
-                    "docs/operations.md line {}: a {lang} block without a `<!-- runbook: ... -->` comment",
-                    i + 1
-                )
-            });
-        let mut block = Block {
-            line: i + 1,
-            lang: lang.to_owned(),
-            server: String::new(),
-            min_major: 0,
-            wait: false,
-            text: String::new(),
-        };
-        for word in note.split(',').map(str::trim) {
-            if word == "wait" {
-                block.wait = true;
-            } else if let Some(v) = word.strip_suffix('+') {
-                block.min_major = v.parse().expect("a version like 17+");
-            } else if block.server.is_empty() {
-                block.server = word.to_owned();
-            }
-        }
-        assert!(
-            matches!(
-                block.server.as_str(),
-                "primary" | "standby" | "new primary" | "old primary" | "shell"
-            ),
-            "docs/operations.md line {}: unknown server {:?}",
-            block.line,
-            block.server
-        );
-        i += 1;
-        while i < lines.len() && lines[i].trim() != "```" {
-            block.text.push_str(lines[i]);
-            block.text.push('\n');
-            i += 1;
-        }
-        out.push(block);
-        i += 1;
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_runbook_command_runs() {
-    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
-        .unwrap();
-    let blocks = blocks(&doc);
+    let blocks: Vec<_> = blocks(&operations_doc())
+        .into_iter()
+        .filter(|b| !UPGRADE_SERVERS.contains(&b.server.as_str()))
+        .collect();
     assert!(blocks.len() >= 8, "the runbook has its blocks");
     let pair = PgPair::start().await;
     let primary = connect(&pair.primary.url).await;
@@ -103,7 +32,7 @@ async fn every_runbook_command_runs() {
         if pair.major < b.min_major {
             continue;
         }
-        let where_ = format!("docs/operations.md line {}", b.line);
+        let where_ = b.place();
         if b.lang == "sh" {
             let out = tokio::process::Command::new("bash")
                 .args(["-euo", "pipefail", "-c", &b.text])
@@ -151,8 +80,7 @@ async fn every_runbook_command_runs() {
             })
             .await;
         } else {
-            // One statement at a time, as psql sends them (ALTER SYSTEM refuses a transaction).
-            for statement in b.text.split(";\n").map(str::trim).filter(|s| !s.is_empty()) {
+            for statement in b.statements() {
                 client
                     .simple_query(statement)
                     .await
