@@ -2,7 +2,9 @@
 //! `run` when configured). Long work logs its progress at a steady interval.
 
 use crate::command::{self, printable, CommandError};
-use crate::config::{CleanupArgs, DeadLettersCommand};
+use crate::config::{CleanupArgs, DatabaseArgs, DeadLettersCommand};
+use crate::relay::RelayError;
+use crate::replication::setup;
 use crate::store::{DeadLetter, Store};
 use std::fmt::Write;
 use std::time::{Duration, Instant};
@@ -97,10 +99,20 @@ pub fn render_dead_letters(rows: &[DeadLetter]) -> String {
     s
 }
 
+/// The database, its outbox table checked as the relay checks it at start (a table whose `id`
+/// is not a bigint would make these commands fail on their first row).
+async fn checked_connect(db: &DatabaseArgs) -> Result<tokio_postgres::Client, CommandError> {
+    let client = db.target()?.connect().await?;
+    setup::check_table(&client, &db.table)
+        .await
+        .map_err(RelayError::from)?;
+    Ok(client)
+}
+
 /// `outbox-relay cleanup`: deletes old published rows, then says how many; with `--dry-run`,
 /// counts them.
 pub async fn execute_cleanup(args: &CleanupArgs) -> Result<(), CommandError> {
-    let client = args.db.target()?.connect().await?;
+    let client = checked_connect(&args.db).await?;
     let store = Store::new(args.db.table.clone());
     if args.dry_run {
         let n = store.count_published(&client, args.older_than).await?;
@@ -116,12 +128,12 @@ pub async fn execute_cleanup(args: &CleanupArgs) -> Result<(), CommandError> {
 pub async fn execute_dead_letters(cmd: &DeadLettersCommand) -> Result<(), CommandError> {
     match cmd {
         DeadLettersCommand::List { db, json } => {
-            let client = db.target()?.connect().await?;
+            let client = checked_connect(db).await?;
             let rows = Store::new(db.table.clone()).dead_letters(&client).await?;
             command::print(*json, rows.as_slice(), render_dead_letters)
         }
         DeadLettersCommand::Retry { db, all, event_id } => {
-            let client = db.target()?.connect().await?;
+            let client = checked_connect(db).await?;
             let store = Store::new(db.table.clone());
             let ids = (!all).then_some(event_id.as_slice());
             let n = store.retry_dead_letters(&client, ids).await?;

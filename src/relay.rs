@@ -417,7 +417,12 @@ pub async fn run(
         }
     };
     let result = match panicked {
-        Some(what) => Err(RelayError::BackgroundPanicked(what)),
+        Some(what) => {
+            if let Err(e) = &result {
+                tracing::warn!(error = %crate::error_chain::error_chain(e), "the stream also ended with an error");
+            }
+            Err(RelayError::BackgroundPanicked(what))
+        }
         None => result,
     };
     metrics.health.set_running(false, false);

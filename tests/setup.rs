@@ -376,5 +376,67 @@ async fn an_id_that_is_not_bigint_is_refused_before_the_slot_exists() {
             !slot_exists(&db).await,
             "the refused run left a slot behind"
         );
+        // The operator commands that read rows say so too, rather than panic (exit 101) on the
+        // first one.
+        let (code, _, err) = run_command(&["dead-letters", "list"], &relay_env(&db, &redis.url));
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains("not bigint"), "{err}");
     }
+}
+
+/// An outbox without `id` is refused too: the poller claims rows by it, so rows left to it would
+/// wait for ever (found by review: poll mode logged a failed round for ever and sent nothing).
+/// A domain over bigint is a bigint: accepted, and the poller delivers through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_without_id_is_refused_and_a_domain_over_bigint_is_not() {
+    const COLUMNS: &str = "
+        event_id     uuid        NOT NULL UNIQUE,
+        event_name   text        NOT NULL,
+        payload      jsonb       NOT NULL,
+        metadata     jsonb       NOT NULL DEFAULT '{}'::jsonb,
+        created_at   timestamptz NOT NULL DEFAULT now(),
+        published_at timestamptz,
+        attempts integer NOT NULL DEFAULT 0,
+        last_error text,
+        next_attempt_at timestamptz,
+        dead_at timestamptz";
+    let db = TestDb::on(&shared_pg_url(), "noid", false).await;
+    db.client()
+        .await
+        .batch_execute(&format!("CREATE TABLE outbox_events ({COLUMNS})"))
+        .await
+        .unwrap();
+    let redis = Redis::start();
+    // A relay that starts anyway runs on: give up after the suite's usual patience.
+    let msg = tokio::time::timeout(PATIENCE, Relay::failure(run_args(&db, &redis.url, &[])))
+        .await
+        .expect("the relay started on an outbox without id");
+    assert!(msg.contains("lacks column(s) id"), "{msg}");
+    assert!(
+        !slot_exists(&db).await,
+        "the refused run left a slot behind"
+    );
+
+    let db = TestDb::on(&shared_pg_url(), "domainid", false).await;
+    db.client()
+        .await
+        .batch_execute(&format!(
+            "CREATE DOMAIN outbox_id AS bigint;
+             CREATE TABLE outbox_events (
+                 id outbox_id PRIMARY KEY DEFAULT 1, {COLUMNS});
+             INSERT INTO outbox_events (event_id, event_name, payload, created_at)
+             VALUES ('00000000-0000-4000-8000-00000000d001', 'before.slot', '{{}}',
+                     now() - interval '1 hour')"
+        ))
+        .await
+        .unwrap();
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &["--recovery-grace", "1s", "--poll-interval", "200ms"],
+    ))
+    .await;
+    let ids = wait_pending(&redis, "default", 1).await;
+    assert_eq!(ids, ["00000000-0000-4000-8000-00000000d001"]);
+    relay.stop().await;
 }

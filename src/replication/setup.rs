@@ -209,15 +209,22 @@ pub async fn check_table(client: &Client, table: &TableName) -> Result<(), Setup
     };
     let rows = client
         .query(
-            "SELECT attname::text, format_type(atttypid, atttypmod) FROM pg_attribute \
-             WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped",
+            // A domain counts as its base type (a domain over bigint reads as a bigint).
+            "SELECT a.attname::text, format_type(COALESCE(NULLIF(t.typbasetype, 0), a.atttypid), NULL) \
+             FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
+             WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped",
             &[&oid],
         )
         .await?;
     let have: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    // `id` is optional to the task builder, but the poller claims rows by it and the marker
+    // marks them by it: without it, rows left to the poller (bad rows, refused queues, rows a
+    // lost slot skipped) would never be delivered.
     let missing: Vec<&str> = OutboxColumn::ALL
         .into_iter()
-        .filter(|c| c.required() && !have.iter().any(|(h, _)| h == c.name()))
+        .filter(|c| {
+            (c.required() || *c == OutboxColumn::Id) && !have.iter().any(|(h, _)| h == c.name())
+        })
         .map(OutboxColumn::name)
         .collect();
     if !missing.is_empty() {
