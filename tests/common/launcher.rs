@@ -199,6 +199,25 @@ pub struct RelayProcess {
     pub log: PathBuf,
 }
 
+/// A test that fails while the relay process runs shows the end of the relay's own log: the
+/// process writes to a file the test would otherwise never print (a stress run once left a
+/// relay silent after its migrations, with nothing to say where it waited).
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(60)..];
+            eprintln!(
+                "---- the relay's log ({}), last {} lines ----\n{}",
+                self.log.display(),
+                tail.len(),
+                tail.join("\n")
+            );
+        }
+    }
+}
+
 impl RelayProcess {
     /// `outbox-relay run` with the settings in `env` and the `extra` flags.
     pub fn spawn_env(env: &[(&str, &str)], extra: &[&str]) -> Self {
