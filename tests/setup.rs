@@ -316,6 +316,20 @@ async fn migrate_twice_and_over_the_kit_table_changes_nothing() {
     );
 }
 
+/// The kit's columns but `id`, with the delivery-state columns `migrate` adds: a table the
+/// relay would start on whatever its `id`.
+const COLUMNS_BUT_ID: &str = "
+    event_id     uuid        NOT NULL UNIQUE,
+    event_name   text        NOT NULL,
+    payload      jsonb       NOT NULL,
+    metadata     jsonb       NOT NULL DEFAULT '{}'::jsonb,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    published_at timestamptz,
+    attempts integer NOT NULL DEFAULT 0,
+    last_error text,
+    next_attempt_at timestamptz,
+    dead_at timestamptz";
+
 /// An outbox whose `id` is not a bigint (a `serial`, a uuid) is refused at start, before a slot
 /// exists: the poller and the marker read `id` as a bigint, so on such a table the recovery
 /// poller would panic on its first row and every row only it can deliver (rows from before the
@@ -335,18 +349,7 @@ async fn an_id_that_is_not_bigint_is_refused_before_the_slot_exists() {
         db.client()
             .await
             .batch_execute(&format!(
-                "CREATE TABLE outbox_events (
-                    {id},
-                    event_id     uuid        NOT NULL UNIQUE,
-                    event_name   text        NOT NULL,
-                    payload      jsonb       NOT NULL,
-                    metadata     jsonb       NOT NULL DEFAULT '{{}}'::jsonb,
-                    created_at   timestamptz NOT NULL DEFAULT now(),
-                    published_at timestamptz,
-                    attempts integer NOT NULL DEFAULT 0,
-                    last_error text,
-                    next_attempt_at timestamptz,
-                    dead_at timestamptz)"
+                "CREATE TABLE outbox_events ({id}, {COLUMNS_BUT_ID})"
             ))
             .await
             .unwrap();
@@ -389,21 +392,10 @@ async fn an_id_that_is_not_bigint_is_refused_before_the_slot_exists() {
 /// A domain over bigint is a bigint: accepted, and the poller delivers through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outbox_without_id_is_refused_and_a_domain_over_bigint_is_not() {
-    const COLUMNS: &str = "
-        event_id     uuid        NOT NULL UNIQUE,
-        event_name   text        NOT NULL,
-        payload      jsonb       NOT NULL,
-        metadata     jsonb       NOT NULL DEFAULT '{}'::jsonb,
-        created_at   timestamptz NOT NULL DEFAULT now(),
-        published_at timestamptz,
-        attempts integer NOT NULL DEFAULT 0,
-        last_error text,
-        next_attempt_at timestamptz,
-        dead_at timestamptz";
     let db = TestDb::on(&shared_pg_url(), "noid", false).await;
     db.client()
         .await
-        .batch_execute(&format!("CREATE TABLE outbox_events ({COLUMNS})"))
+        .batch_execute(&format!("CREATE TABLE outbox_events ({COLUMNS_BUT_ID})"))
         .await
         .unwrap();
     let redis = Redis::start();
@@ -423,7 +415,7 @@ async fn an_outbox_without_id_is_refused_and_a_domain_over_bigint_is_not() {
         .batch_execute(&format!(
             "CREATE DOMAIN outbox_id AS bigint;
              CREATE TABLE outbox_events (
-                 id outbox_id PRIMARY KEY DEFAULT 1, {COLUMNS});
+                 id outbox_id PRIMARY KEY DEFAULT 1, {COLUMNS_BUT_ID});
              INSERT INTO outbox_events (event_id, event_name, payload, created_at)
              VALUES ('00000000-0000-4000-8000-00000000d001', 'before.slot', '{{}}',
                      now() - interval '1 hour')"
