@@ -67,6 +67,7 @@ async fn replay_after_consumer(prefix: &str, extra: &[&str]) -> Replayed {
     first.signal("TERM");
     let mut first = first;
     assert!(first.process.child.wait().await.unwrap().success());
+    db.wait_slot_released().await;
     admin
         .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
         .await

@@ -110,6 +110,24 @@ impl TestDb {
         .await
     }
 
+    /// Waits until no walsender holds the slot: a relay process that exited can leave its
+    /// walsender on the server for a moment, and dropping the slot then fails ("replication
+    /// slot ... is active for PID n", seen under stress).
+    pub async fn wait_slot_released(&self) {
+        eventually("the slot is released", || async {
+            let c = self.client().await;
+            let row = c
+                .query_opt(
+                    "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&self.slot],
+                )
+                .await
+                .unwrap()?;
+            (!row.get::<_, bool>(0)).then_some(())
+        })
+        .await
+    }
+
     /// The pid of the walsender holding the slot, once one other than `not` holds it: after a
     /// kill, the slot can still show the dying walsender as active for a moment, and a kill
     /// aimed at it would not land.
