@@ -54,6 +54,11 @@ pub enum RelayError {
     Stream(#[from] StreamError),
     #[error(transparent)]
     Standby(#[from] crate::replication::standby::StandbyError),
+    #[error(
+        "a background task (poller, marker, monitor or another) panicked: {0}; the relay stopped \
+         rather than run without it (rows it delivers or marks would wait for ever)"
+    )]
+    BackgroundPanicked(String),
 }
 
 /// Task bytes per batch at most (with `OUTBOX_BATCH_SIZE` rows at most): with
@@ -338,56 +343,87 @@ pub async fn run(
         ));
     }
 
-    let result = match args.mode {
-        Mode::Poll => {
-            tracing::info!(pollers = args.pollers, "running in poll mode");
-            shutdown.cancelled().await;
-            Ok(())
+    let marker = (args.mode == Mode::Stream && args.mark_published).then(|| {
+        let (marker, handle) = Marker::new(
+            outbox.clone(),
+            metrics.clone(),
+            args.recovery.then_some(args.recovery_grace),
+        );
+        set.spawn(marker.run(background.clone()));
+        handle
+    });
+    // A background task ends only on the background token, which is cancelled below; one that
+    // panics before (a poller, the marker) must not leave the relay running without it.
+    let stop = shutdown.child_token();
+    let work = async {
+        match args.mode {
+            Mode::Poll => {
+                tracing::info!(pollers = args.pollers, "running in poll mode");
+                stop.cancelled().await;
+                Ok(())
+            }
+            Mode::Stream => {
+                // The slot's server: a standby with OUTBOX_REPLICATION_URL, else the primary.
+                let pg = match &args.replication_url {
+                    Some(url) => standby::target(url)?,
+                    None => pg,
+                };
+                let stream = Stream {
+                    port: PgSlot {
+                        pg,
+                        slot: args.slot.clone(),
+                        publication: args.db.publication.clone(),
+                        table: args.db.table.clone(),
+                        buffer_events: REPLICATION_BUFFER_EVENTS,
+                    },
+                    settings: StreamSettings {
+                        slot: args.slot.clone(),
+                        table,
+                        batch_rows: args.batch_size,
+                        batch_bytes: BATCH_BYTES,
+                        max_inflight: args.max_inflight_batches,
+                        write_timeout: args.valkey.valkey_timeout * WRITE_TIMEOUT_FACTOR,
+                        shutdown_timeout: args.shutdown_timeout,
+                        on_slot_lost: args.on_slot_lost,
+                        takeover_after: args.takeover_after,
+                        link_timeout: Some(args.link_timeout),
+                    },
+                    tasks,
+                    sink,
+                    metrics: metrics.clone(),
+                    marker,
+                    shared_ids,
+                    slot_watch: Default::default(),
+                };
+                stream.run(stop.clone()).await.map_err(RelayError::from)
+            }
         }
-        Mode::Stream => {
-            let marker = args.mark_published.then(|| {
-                let (marker, handle) = Marker::new(
-                    outbox.clone(),
-                    metrics.clone(),
-                    args.recovery.then_some(args.recovery_grace),
-                );
-                set.spawn(marker.run(background.clone()));
-                handle
-            });
-            // The slot's server: a standby with OUTBOX_REPLICATION_URL, else the primary.
-            let pg = match &args.replication_url {
-                Some(url) => standby::target(url)?,
-                None => pg,
-            };
-            let stream = Stream {
-                port: PgSlot {
-                    pg,
-                    slot: args.slot.clone(),
-                    publication: args.db.publication.clone(),
-                    table: args.db.table.clone(),
-                    buffer_events: REPLICATION_BUFFER_EVENTS,
-                },
-                settings: StreamSettings {
-                    slot: args.slot.clone(),
-                    table,
-                    batch_rows: args.batch_size,
-                    batch_bytes: BATCH_BYTES,
-                    max_inflight: args.max_inflight_batches,
-                    write_timeout: args.valkey.valkey_timeout * WRITE_TIMEOUT_FACTOR,
-                    shutdown_timeout: args.shutdown_timeout,
-                    on_slot_lost: args.on_slot_lost,
-                    takeover_after: args.takeover_after,
-                    link_timeout: Some(args.link_timeout),
-                },
-                tasks,
-                sink,
-                metrics: metrics.clone(),
-                marker,
-                shared_ids,
-                slot_watch: Default::default(),
-            };
-            stream.run(shutdown).await.map_err(RelayError::from)
+    };
+    tokio::pin!(work);
+    let mut panicked = None;
+    let result = loop {
+        tokio::select! {
+            result = &mut work => break result,
+            Some(joined) = set.join_next(), if panicked.is_none() => {
+                if let Err(e) = joined {
+                    if e.is_panic() {
+                        let what = panic_text(e.into_panic());
+                        tracing::error!(panic = %what, "a background task panicked; stopping the relay");
+                        panicked = Some(what);
+                        stop.cancel();
+                    }
+                }
+            }
         }
+    };
+    let result = match panicked {
+        Some(what) => {
+            if let Err(e) = &result {
+                tracing::warn!(error = %crate::error_chain::error_chain(e), "the stream also ended with an error");
+            }
+            Err(RelayError::BackgroundPanicked(what))
+        }
+        None => result,
     };
     metrics.health.set_running(false, false);
     background.cancel();
@@ -404,6 +440,15 @@ pub async fn run(
     }
     tracing::info!("relay stopped");
     result
+}
+
+/// A panic's message, when it carried one.
+fn panic_text(panic: Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "no message".to_owned())
 }
 
 /// Every `interval` until `shutdown`, one line at info on how delivery went since the last one
