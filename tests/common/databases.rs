@@ -96,7 +96,12 @@ impl TestDb {
 
     /// Waits until a walsender holds the slot.
     pub async fn wait_slot_active(&self) {
-        eventually("the slot is active", || async {
+        self.wait_slot_held(true, "the slot is active").await
+    }
+
+    /// Waits until the slot's `active` flag is `held`.
+    async fn wait_slot_held(&self, held: bool, what: &str) {
+        eventually(what, || async {
             let c = self.client().await;
             let row = c
                 .query_opt(
@@ -105,7 +110,7 @@ impl TestDb {
                 )
                 .await
                 .unwrap()?;
-            row.get::<_, bool>(0).then_some(())
+            (row.get::<_, bool>(0) == held).then_some(())
         })
         .await
     }
@@ -114,18 +119,7 @@ impl TestDb {
     /// walsender on the server for a moment, and dropping the slot then fails ("replication
     /// slot ... is active for PID n", seen under stress).
     pub async fn wait_slot_released(&self) {
-        eventually("the slot is released", || async {
-            let c = self.client().await;
-            let row = c
-                .query_opt(
-                    "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&self.slot],
-                )
-                .await
-                .unwrap()?;
-            (!row.get::<_, bool>(0)).then_some(())
-        })
-        .await
+        self.wait_slot_held(false, "the slot is released").await
     }
 
     /// The pid of the walsender holding the slot, once one other than `not` holds it: after a
