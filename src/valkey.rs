@@ -9,25 +9,28 @@
 //! - **Cluster**: redis' async cluster connection. It routes each command by its first key (an
 //!   `EVALSHA` by its first key, a pipeline by the slot of its commands, which must all share it)
 //!   and keeps a connection per node. It does not retry a failed command itself (retries 0):
-//!   a MOVED, ASK, TRYAGAIN, CLUSTERDOWN or connection error is returned to the caller, and the
-//!   client refreshes its slot map on MOVED and connection errors. The relay's writer then
-//!   re-sends its unconfirmed batches, in order, after a backoff.
+//!   a MOVED, ASK, TRYAGAIN, CLUSTERDOWN or connection error is returned to the caller. The
+//!   client refreshes its slot map on MOVED; after a connection error the whole cluster
+//!   connection is made again from the seed nodes ([`ClusterLink`]: the client alone kept
+//!   reconnecting to a killed primary). The relay's writer then re-sends its unconfirmed
+//!   batches, in order, after a backoff.
 //! - **Sentinel**: the primary named by the sentinels, over a multiplexed connection
 //!   ([`link::Link`]). A timeout or an I/O error, or a READONLY/MASTERDOWN reply (a primary
 //!   demoted by a failover), drops that connection; the next command asks the sentinels again for
 //!   the current primary and checks with `ROLE` that it is one.
 //!
 //! Sockets to Valkey carry `TCP_USER_TIMEOUT` ([`tcp_settings`]): the kernel closes a connection
-//! whose data stays unacknowledged that long. That matters for the cluster's per-node
-//! connections, which the cluster client keeps after a timeout; the other two are replaced at
-//! the first timeout anyway.
+//! whose data stays unacknowledged that long. Every topology's connection is also replaced at
+//! the first timeout or I/O error.
 //!
 //! TLS: `rediss://` URLs, with the CA and client certificate files (`OUTBOX_VALKEY_CA_FILE`, ...)
 //! applied to every connection of the topology: the server, every cluster node, the sentinels and
 //! the primary they name.
 
+mod cluster_link;
 mod link;
 
+pub use cluster_link::ClusterLink;
 pub use link::Link;
 
 use redis::aio::ConnectionLike;
@@ -69,7 +72,10 @@ pub enum ValkeyTarget {
         client: redis::Client,
         timeout: Duration,
     },
-    Cluster(redis::cluster::ClusterClient),
+    Cluster {
+        client: redis::cluster::ClusterClient,
+        timeout: Duration,
+    },
     Sentinel {
         client: SentinelClient,
         db: i64,
@@ -81,7 +87,7 @@ impl std::fmt::Debug for ValkeyTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::Single { .. } => "ValkeyTarget::Single",
-            Self::Cluster(_) => "ValkeyTarget::Cluster",
+            Self::Cluster { .. } => "ValkeyTarget::Cluster",
             Self::Sentinel { .. } => "ValkeyTarget::Sentinel",
         })
     }
@@ -167,7 +173,7 @@ impl ValkeyTarget {
                     }
                 }
                 let client = builder.build().map_err(|e| e.to_string())?;
-                Ok(Self::Cluster(client))
+                Ok(Self::Cluster { client, timeout })
             }
             Topology::Sentinel { master, password } => {
                 if master.trim().is_empty() {
@@ -237,9 +243,11 @@ impl ValkeyTarget {
                 link.current().await?;
                 Ok(ValkeyConnection::Single(link))
             }
-            Self::Cluster(client) => Ok(ValkeyConnection::Cluster(
-                client.get_async_connection().await?,
-            )),
+            Self::Cluster { client, timeout } => {
+                let link = ClusterLink::new(client, timeout);
+                link.current().await?;
+                Ok(ValkeyConnection::Cluster(link))
+            }
             Self::Sentinel {
                 client,
                 db,
@@ -258,7 +266,7 @@ impl ValkeyTarget {
 #[derive(Clone)]
 pub enum ValkeyConnection {
     Single(Link),
-    Cluster(redis::cluster_async::ClusterConnection),
+    Cluster(ClusterLink),
     Sentinel(Link),
 }
 
@@ -279,21 +287,20 @@ impl ValkeyConnection {
     }
 
     /// Drops the underlying connection, for a caller that gave up on a command by its own
-    /// timeout: the next command (of any clone) makes a new one, so nothing queues behind a
-    /// stalled socket. A cluster keeps its per-node connections (its client replaces one that
-    /// fails, and `TCP_USER_TIMEOUT` fails one that stalls).
+    /// timeout or saw it fail: the next command (of any clone) makes a new one, so nothing
+    /// queues behind a stalled socket (a cluster's new connection reads the slot map afresh).
     pub fn reset(&self) {
         match self {
             Self::Single(link) | Self::Sentinel(link) => link.reset(),
-            Self::Cluster(_) => {}
+            Self::Cluster(link) => link.reset(),
         }
     }
 
-    /// Connections made again after a failure or a reset (0 for a cluster, which does not say).
+    /// Connections made again after a failure or a reset.
     pub fn reconnects(&self) -> u64 {
         match self {
             Self::Single(link) | Self::Sentinel(link) => link.reconnects(),
-            Self::Cluster(_) => 0,
+            Self::Cluster(link) => link.reconnects(),
         }
     }
 
@@ -304,11 +311,11 @@ impl ValkeyConnection {
         &mut self,
         cmd: &Cmd,
     ) -> RedisResult<Vec<(Option<String>, RedisResult<T>)>> {
-        let Self::Cluster(conn) = self else {
+        let Self::Cluster(link) = self else {
             return Ok(vec![(None, cmd.query_async(self).await)]);
         };
         // No response policy: the reply is a map of node address to that node's reply.
-        let reply = conn
+        let reply = link
             .route_command(
                 cmd.clone(),
                 RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None)),

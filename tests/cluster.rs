@@ -301,3 +301,83 @@ fn writes_issued_at_the_same_moment_on_two_threads_never_wait_for_each_other() {
         }
     }
 }
+
+/// A write to a shard whose primary was killed reaches the replica the cluster promoted, when
+/// the caller follows the writer's rule (after an error that poisons the connection, reset the
+/// sink and write again); the write under way when the primary died fails, it never succeeds.
+///
+/// This is the sink's part of `failovers_under_load_lose_no_event`, alone. It passes without
+/// the cluster connection being made again (src/valkey/cluster_link.rs) too: with one writer
+/// and no load, redis' client finds no connection for the slot and reads the slot map. The
+/// path that needed the rebuild (the client reconnecting to the dead primary for ever, every
+/// write failing with "broken pipe") showed only under the relay's load; see docs/reliability.md.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_follow_a_killed_primary_to_its_promoted_replica() {
+    use outbox_relay::sink::valkey::ValkeySink;
+    use outbox_relay::sink::{Batch, Sink};
+    use outbox_relay::task::Task;
+    use outbox_relay::valkey::{Topology, ValkeyTarget};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn one_task(id: &str) -> Arc<Batch> {
+        let mut b = Batch::default();
+        b.push(Task {
+            queue: Arc::from("low"),
+            id: id.to_string(),
+            msg: b"x".to_vec(),
+            row_id: None,
+        });
+        Arc::new(b)
+    }
+
+    let cluster = ValkeyCluster::start();
+    let target = ValkeyTarget::new(
+        &cluster.urls,
+        &Topology::Cluster,
+        Duration::from_secs(5),
+        None,
+    )
+    .unwrap();
+    let sink = ValkeySink::connect(target).await.expect("connect");
+    sink.write(one_task("before")).await.expect("write before");
+
+    let primary = cluster.primary_of(cluster.slot("asynq:{low}:pending"));
+    let replica = cluster.replica_of(&primary);
+    // A write under way when the primary dies, as under load: it waits on the paused primary.
+    common::topologies::cli(primary.port, &["CLIENT", "PAUSE", "60000", "WRITE"]).unwrap();
+    let in_flight = tokio::spawn({
+        let sink = sink.clone();
+        async move { sink.write(one_task("in-flight")).await }
+    });
+    cluster.kill_primary(&primary, &replica).await;
+    let lost_with_the_primary = in_flight.await.unwrap();
+    assert!(
+        lost_with_the_primary.is_err(),
+        "a write the killed primary never answered cannot have succeeded"
+    );
+
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let mut failures = 0;
+    loop {
+        match sink.write(one_task("after")).await {
+            Ok(_) => break,
+            Err(e) => {
+                failures += 1;
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "after {failures} failed writes the shard's promoted replica was never \
+                     written to; the last error: {e}"
+                );
+                if e.poisons_connection() {
+                    sink.reset();
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    let mut conn = cluster.conn().await;
+    let pending = pending_ids(&mut conn, "low").await;
+    assert_eq!(pending, ["before", "after"], "both writes landed, in order");
+    println!("the killed primary's shard was written after {failures} failed writes");
+}
