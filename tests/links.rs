@@ -7,6 +7,7 @@
 mod common;
 
 use common::checker::{verify, Load, LoadSpec};
+use common::filtered_replay;
 use common::proxy::{Fault, Proxy};
 use common::*;
 use outbox_relay::metrics::LinkLabel;
@@ -29,6 +30,15 @@ const FLAGS: [&str; 14] = [
     "--stall-after",
     "60s",
 ];
+
+/// A database whose walsenders run with `wal_sender_timeout` 4 s, so that the relay's
+/// replication deadline stays at `--link-timeout 3s` (the relay raises it to 3/4 of the
+/// server's timeout, src/replication/liveness.rs; the cluster's 60 s would make it 45 s).
+async fn link_db(prefix: &str) -> TestDb {
+    let db = TestDb::new(prefix).await;
+    filtered_replay::set_wal_sender_timeout(&db, "4s").await;
+    db
+}
 
 /// `db` reached through `proxy`.
 fn through(db: &TestDb, proxy: &Proxy) -> TestDb {
@@ -120,7 +130,7 @@ async fn the_proxy_passes_delays_black_holes_and_resets() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_replication_link_is_not_taken_for_a_dead_one() {
-    let db = TestDb::new("l_idle").await;
+    let db = link_db("l_idle").await;
     let redis = Redis::start();
     let proxy = Proxy::in_front_of(&db.url).await;
     let mut flags = FLAGS.to_vec();
@@ -142,7 +152,7 @@ async fn an_idle_replication_link_is_not_taken_for_a_dead_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_black_holed_replication_link_is_detected_and_healed_under_load() {
-    let db = TestDb::new("l_repl").await;
+    let db = link_db("l_repl").await;
     let redis = Redis::start();
     let proxy = Proxy::in_front_of(&db.url).await;
     let relay = Relay::start_streaming(run_args(&through(&db, &proxy), &redis.url, &FLAGS)).await;
@@ -179,7 +189,7 @@ async fn a_black_holed_replication_link_is_detected_and_healed_under_load() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_black_holed_sql_link_turns_readyz_not_ready_and_heals() {
-    let db = TestDb::new("l_sql").await;
+    let db = link_db("l_sql").await;
     let redis = Redis::start();
     let proxy = Proxy::in_front_of(&db.url).await;
     let relay = Relay::start_streaming(run_args(&through(&db, &proxy), &redis.url, &FLAGS)).await;
@@ -213,7 +223,7 @@ async fn a_black_holed_sql_link_turns_readyz_not_ready_and_heals() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_black_holed_postgres_server_is_detected_and_healed_under_load() {
-    let db = TestDb::new("l_pg").await;
+    let db = link_db("l_pg").await;
     let redis = Redis::start();
     let proxy = Proxy::in_front_of(&db.url).await;
     let relay = Relay::start_streaming(run_args(&through(&db, &proxy), &redis.url, &FLAGS)).await;
@@ -248,7 +258,7 @@ async fn a_black_holed_postgres_server_is_detected_and_healed_under_load() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_black_holed_valkey_holds_the_acknowledgement_and_heals_under_load() {
-    let db = TestDb::new("l_valkey").await;
+    let db = link_db("l_valkey").await;
     let redis = Redis::start();
     let proxy = Proxy::in_front_of(&redis.url).await;
     let relay = Relay::start_streaming(run_args(&db, &proxy.url_through(&redis.url), &FLAGS)).await;
@@ -318,7 +328,7 @@ async fn a_black_holed_valkey_holds_the_acknowledgement_and_heals_under_load() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_valkey_connection_whose_writes_time_out_is_replaced() {
-    let db = TestDb::new("l_vreset").await;
+    let db = link_db("l_vreset").await;
     let redis = Redis::start();
     let proxy = Proxy::in_front_of(&redis.url).await;
     let relay = Relay::start_streaming(run_args(&db, &proxy.url_through(&redis.url), &FLAGS)).await;
@@ -348,5 +358,54 @@ async fn a_valkey_connection_whose_writes_time_out_is_replaced() {
         replaced.as_millis()
     );
     proxy.set(Fault::Pass);
+    relay.stop().await;
+}
+
+/// A long transaction that the publication filters almost entirely (a bulk change of a business
+/// table with its outbox row at the end): while the walsender replays it, it reads status
+/// updates, and so answers their reply requests, only every `wal_sender_timeout / 2` (here 4 s).
+/// With `--link-timeout 1s` below that silence, the relay must still not take the live link for
+/// dead (it raises its deadline to 3/4 of the server's timeout): before, it reconnected, the new
+/// walsender decoded the same transaction again, and the stream never got past it. The test
+/// checks that the silence happened (the holder's `reply_time` stood still for longer than the
+/// configured second), that the event came through the stream, and that nothing reconnected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_filtered_replay_is_not_taken_for_a_dead_link() {
+    let db = TestDb::new("l_replay").await;
+    filtered_replay::set_wal_sender_timeout(&db, "8s").await;
+    filtered_replay::create_business_table(&db).await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &["--recovery-grace", "1h", "--link-timeout", "1s"],
+    ))
+    .await;
+    let rows = filtered_replay::replay_rows();
+    let id = filtered_replay::commit_bulk_change(&db, rows).await;
+    let watch = filtered_replay::watch_replay(&db, &redis, &id).await;
+    let dead = link_failures(&relay, "replication");
+    println!(
+        "LINK-TIMES filtered_replay rows={rows} {watch:?} replication_links_found_dead={dead}"
+    );
+    assert!(
+        watch.longest_reply_silence > Duration::from_millis(1500),
+        "the scenario did not happen: the walsender read replies at least every \
+         {:?} (raise OUTBOX_TEST_REPLAY_ROWS)",
+        watch.longest_reply_silence
+    );
+    assert_eq!(dead, 0, "the live replication link was taken for dead");
+    assert_eq!(relay.postgres_reconnects(), 0);
+    assert_eq!(
+        watch.holders.len(),
+        1,
+        "the slot changed hands: {:?}",
+        watch.holders
+    );
+    assert_eq!(
+        relay.metrics.published.get(),
+        1,
+        "the event came through the stream"
+    );
     relay.stop().await;
 }

@@ -248,17 +248,24 @@ async fn sigkill_mid_stream_loses_and_duplicates_nothing() {
     drop(relay);
 }
 
-/// SIGTERM: exits 0 after a final acknowledgement of everything delivered.
+/// SIGTERM: exits 0 after a final acknowledgement of everything delivered. Valkey is reached
+/// through a proxy that holds each chunk 1.5 s, so when SIGTERM comes the commit's write is on
+/// its way and unconfirmed: neither Valkey nor the slot has it yet (checked), and only the
+/// shutdown's wait for in-flight writes and its final acknowledgement can deliver it and move
+/// the slot past it. (A periodic status update cannot: nothing was confirmed before SIGTERM.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_acknowledges_and_exits_zero() {
+    use common::proxy::{Fault, Proxy};
+    use std::time::Duration;
     let db = TestDb::new("sigterm").await;
     let redis = Redis::start();
+    let proxy = Proxy::in_front_of(&redis.url).await;
     // Nothing but the producer writes WAL here (no marking, no poller), so the WAL position
     // right after the last commit is that commit's end: what the final acknowledgement must
-    // reach.
+    // reach. The health check's PING stays off the delayed link.
     let mut relay = RelayProcess::spawn_streaming(
         &db,
-        &redis.url,
+        &proxy.url_through(&redis.url),
         &[
             "--mark-published",
             "false",
@@ -266,32 +273,47 @@ async fn sigterm_acknowledges_and_exits_zero() {
             "false",
             "--on-slot-lost",
             "stop",
+            "--health-interval",
+            "1h",
         ],
     )
     .await;
     let mut c = db.client().await;
-    // Delivered but not yet acknowledged by a periodic status update when SIGTERM comes: only
-    // the final acknowledgement can move the slot past them. (A periodic update that came
-    // first means another round.)
-    let mut delivered = 0;
-    let mut after_commit = None;
-    for _ in 0..20 {
-        delivered += insert_events(&mut c, "order.placed", 500, 50).await.len();
-        let committed = db.current_lsn().await;
-        wait_pending(&redis, "default", delivered).await;
-        if db.confirmed_flush().await.unwrap() < committed {
-            after_commit = Some(committed);
-            break;
-        }
-    }
-    let after_commit = after_commit.expect("every round was acknowledged before SIGTERM");
+    let warm = insert_events(&mut c, "order.warm", 10, 10).await;
+    wait_pending(&redis, "default", warm.len()).await;
+    proxy.set(Fault::Delay(Duration::from_millis(1500)));
+    let sent_before = proxy.bytes_from_clients();
+    // One transaction of 50 rows: one write, dispatched after its commit.
+    let ids = insert_events(&mut c, "order.placed", 50, 50).await;
+    let committed = db.current_lsn().await;
+    eventually("the commit's write reaches the proxy", || async {
+        (proxy.bytes_from_clients() > sent_before).then_some(())
+    })
+    .await;
+    let mut conn = redis.conn().await;
+    let pending_at_term = pending_ids(&mut conn, "default").await;
+    let acked_at_term = db.confirmed_flush().await.unwrap();
     relay.signal("TERM");
     let status = relay.child.wait().await.unwrap();
+    let log = relay.log_text();
+    assert!(status.success(), "exit status {status:?}; log:\n{log}");
+    // What SIGTERM met: the write in flight, nothing of it confirmed or acknowledged.
     assert!(
-        status.success(),
-        "exit status {status:?}; log:\n{}",
-        relay.log_text()
+        ids.iter().all(|id| !pending_at_term.contains(id)),
+        "the write was confirmed before SIGTERM: the test did not meet an in-flight write"
+    );
+    assert!(
+        acked_at_term < committed,
+        "the slot was past the commit before SIGTERM ({acked_at_term} >= {committed})"
+    );
+    let pending = pending_ids(&mut conn, "default").await;
+    assert!(
+        ids.iter().all(|id| pending.contains(id)),
+        "the in-flight write was not finished before exit; log:\n{log}"
     );
     let acked = db.confirmed_flush().await.unwrap();
-    assert!(acked >= after_commit, "final ack {acked} < {after_commit}");
+    assert!(
+        acked >= committed,
+        "final ack {acked} < {committed}; log:\n{log}"
+    );
 }

@@ -17,8 +17,30 @@
 //! batch is full and waits for Valkey), the client stops reading the socket too, and the
 //! silence that follows is the relay's own backpressure, not the link's: the clock is paused,
 //! and on resuming the silence counts afresh.
+//!
+//! One silence of a live link is longer than a second, and the server sets its length: while
+//! the walsender replays a committed transaction whose changes the publication filters out (a
+//! bulk change of a business table with the outbox row at its end: the outbox pattern itself),
+//! it sends nothing and reads the client's status updates, answering their reply requests,
+//! only every `wal_sender_timeout / 2` (PostgreSQL's `WalSndUpdateProgress`, which calls
+//! `ProcessPendingWrites` no sooner than that after the last reply it processed). A deadline
+//! shorter than that takes the replay for a dead link, and the next session decodes the same
+//! transaction again, for ever. [`silence_bound`] is therefore never shorter than three
+//! quarters of the server's `wal_sender_timeout`: the longest silence of a live link plus a
+//! quarter of it as a margin. The same bound holds for a standby judging the slot's holder by
+//! its `reply_time` ([`super::takeover`]), which stops changing for as long.
 
 use std::time::{Duration, Instant};
+
+/// The silence a live replication link can show on a server whose walsenders run with
+/// `wal_sender_timeout` (`None`: unknown; zero: off, and then the walsender reads replies
+/// between any two changes): the `configured` bound, raised to three quarters of the timeout.
+pub fn silence_bound(configured: Duration, wal_sender_timeout: Option<Duration>) -> Duration {
+    match wal_sender_timeout {
+        Some(w) if !w.is_zero() => configured.max(w * 3 / 4),
+        _ => configured,
+    }
+}
 
 /// The receive deadline of one replication session.
 #[derive(Debug, Clone)]
@@ -79,6 +101,23 @@ mod tests {
 
     fn secs(s: u64) -> Duration {
         Duration::from_secs(s)
+    }
+
+    #[test]
+    fn the_bound_covers_the_walsenders_longest_silence() {
+        let w = |s: u64| Some(secs(s));
+        // PostgreSQL's default 60 s: a filtered replay is silent for up to 30 s.
+        assert_eq!(silence_bound(secs(30), w(60)), secs(45));
+        assert_eq!(silence_bound(secs(1), w(4)), secs(3));
+        // A configured bound already above it stays.
+        assert_eq!(silence_bound(secs(60), w(60)), secs(60));
+        // Off (0) or unknown: the walsender's silence is not bounded by it; configured only.
+        assert_eq!(silence_bound(secs(30), w(0)), secs(30));
+        assert_eq!(silence_bound(secs(30), None), secs(30));
+        // Always strictly above half the timeout, the silence the replay can show.
+        for t in [1u64, 4, 7, 60, 600] {
+            assert!(silence_bound(secs(1), w(t)) > secs(t) / 2);
+        }
     }
 
     #[test]

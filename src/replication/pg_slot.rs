@@ -163,6 +163,29 @@ impl SlotPort for PgSlot {
         Ok(())
     }
 
+    async fn wal_sender_timeout(&self) -> Option<Duration> {
+        let read = async {
+            let client = self.pg.connect().await?;
+            // As this role sees it on this database: ALTER ROLE / ALTER DATABASE settings and
+            // the connection's `options` apply to its walsender as to this session.
+            let row = client
+                .query_one(
+                    "SELECT setting::bigint FROM pg_settings WHERE name = 'wal_sender_timeout'",
+                    &[],
+                )
+                .await
+                .map_err(PgError::from)?;
+            Ok::<i64, StreamError>(row.get(0))
+        };
+        match read.await {
+            Ok(ms) => Some(Duration::from_millis(ms.max(0) as u64)),
+            Err(e) => {
+                tracing::debug!(error = %crate::error_chain::error_chain(&e), "could not read wal_sender_timeout");
+                None
+            }
+        }
+    }
+
     async fn observe(&self) -> Option<super::slot_watch::Observation> {
         let client = self.pg.connect().await.ok()?;
         match super::slot_watch::observe(&client, &self.slot).await {

@@ -75,6 +75,13 @@ pub trait SlotPort: Send + Sync {
     /// Terminates the walsender `pid` (a zombie holding the slot).
     fn terminate(&self, pid: i32) -> impl Future<Output = Result<(), StreamError>> + Send;
 
+    /// The `wal_sender_timeout` the slot's walsenders run with (see
+    /// [`super::liveness::silence_bound`]); None when unknown (the default: an implementation
+    /// whose source is never silent longer than its messages say).
+    fn wal_sender_timeout(&self) -> impl Future<Output = Option<std::time::Duration>> + Send {
+        async { None }
+    }
+
     /// The slot's server and position before a session, for [`super::slot_watch`]; None when
     /// unknown (the default: an implementation without a server identity).
     fn observe(&self) -> impl Future<Output = Option<super::slot_watch::Observation>> + Send {

@@ -38,6 +38,16 @@ impl TakeoverWatch {
         Self { after, seen: None }
     }
 
+    /// How long the holder must stay silent to be a zombie.
+    pub fn after(&self) -> Duration {
+        self.after
+    }
+
+    /// Changes that bound (the server's `wal_sender_timeout` raised it); what was observed stays.
+    pub fn set_after(&mut self, after: Duration) {
+        self.after = after;
+    }
+
     /// Records an observation made at `now` and judges the holder.
     pub fn observe(&mut self, holder: Option<&SlotHolder>, now: Instant) -> Verdict {
         let Some(h) = holder else {

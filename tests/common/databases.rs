@@ -16,6 +16,13 @@ pub struct TestDb {
     pub slot: String,
 }
 
+/// A row when a walsender streams from the slot `$1`: not merely `active`, which the slot also
+/// is while an SQL backend creates it (`pg_create_logical_replication_slot` holds it until its
+/// consistent point, and rows committed before that point are never decoded).
+pub const SLOT_STREAMED: &str = "SELECT r.pid FROM pg_replication_slots s \
+     JOIN pg_stat_replication r ON r.pid = s.active_pid \
+     WHERE s.slot_name = $1 AND r.state IN ('catchup', 'streaming')";
+
 /// Replaces the database name of a `postgres://...` URL.
 pub fn with_db(url: &str, db: &str) -> String {
     let (base, _) = url.rsplit_once('/').unwrap();
@@ -94,9 +101,16 @@ impl TestDb {
         .await
     }
 
-    /// Waits until a walsender holds the slot.
+    /// Waits until a walsender streams from the slot (see [`SLOT_STREAMED`]).
     pub async fn wait_slot_active(&self) {
-        self.wait_slot_held(true, "the slot is active").await
+        eventually("a walsender streams from the slot", || async {
+            let c = self.client().await;
+            c.query_opt(SLOT_STREAMED, &[&self.slot])
+                .await
+                .unwrap()
+                .map(|_| ())
+        })
+        .await
     }
 
     /// Waits until the slot's `active` flag is `held`.

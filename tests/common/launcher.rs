@@ -250,7 +250,10 @@ impl RelayProcess {
         p
     }
 
-    /// Waits until the relay holds the slot, failing at once if it exits instead.
+    /// Waits until the relay's walsender streams from the slot, failing at once if it exits
+    /// instead. (The slot's `active` flag alone is also set while the relay CREATES the slot,
+    /// by an SQL backend, before its consistent point: rows committed then are not in the
+    /// stream, and a test that wrote them at that moment waited for ever with the poller off.)
     pub async fn wait_streaming(&mut self, db: &TestDb) {
         let deadline = tokio::time::Instant::now() + PATIENCE;
         let c = db.client().await;
@@ -258,15 +261,12 @@ impl RelayProcess {
             if let Some(status) = self.child.try_wait().unwrap() {
                 panic!("the relay exited ({status}): {}", self.log_text());
             }
-            let active = c
-                .query_opt(
-                    "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&db.slot],
-                )
+            let streaming = c
+                .query_opt(super::databases::SLOT_STREAMED, &[&db.slot])
                 .await
                 .unwrap()
-                .is_some_and(|r| r.get::<_, bool>(0));
-            if active {
+                .is_some();
+            if streaming {
                 return;
             }
             assert!(

@@ -11,6 +11,7 @@ pub mod asynq_worker;
 pub mod certs;
 pub mod checker;
 pub mod databases;
+pub mod filtered_replay;
 pub mod http;
 pub mod launcher;
 pub mod observed;

@@ -55,6 +55,8 @@ pub struct Proxy {
     /// Bumped by [`reset`](Self::reset): connections older than it close with an RST.
     resets: watch::Sender<u64>,
     accepted: Arc<AtomicU64>,
+    /// Bytes read from clients so far (whatever the fault does with them next).
+    from_clients: Arc<AtomicU64>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -70,11 +72,18 @@ impl Proxy {
         });
         let (resets, _) = watch::channel(0u64);
         let accepted = Arc::new(AtomicU64::new(0));
-        let (f, r, n) = (fault.clone(), resets.clone(), accepted.clone());
+        let from_clients = Arc::new(AtomicU64::new(0));
+        let (f, r, n, b) = (
+            fault.clone(),
+            resets.clone(),
+            accepted.clone(),
+            from_clients.clone(),
+        );
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let id = n.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(connection(client, id, target, f.subscribe(), r.subscribe()));
+                let (f, r) = (f.subscribe(), r.subscribe());
+                tokio::spawn(connection(client, id, target, f, r, b.clone()));
             }
         });
         Self {
@@ -82,6 +91,7 @@ impl Proxy {
             fault,
             resets,
             accepted,
+            from_clients,
             accept,
         }
     }
@@ -141,6 +151,12 @@ impl Proxy {
     pub fn accepted(&self) -> u64 {
         self.accepted.load(Ordering::Relaxed)
     }
+
+    /// Bytes the proxy has read from its clients so far: a command is on its way once this
+    /// grew, even while a delay or a black hole holds it.
+    pub fn bytes_from_clients(&self) -> u64 {
+        self.from_clients.load(Ordering::Relaxed)
+    }
 }
 
 impl Drop for Proxy {
@@ -156,6 +172,7 @@ async fn connection(
     target: SocketAddr,
     fault: watch::Receiver<Faults>,
     mut resets: watch::Receiver<u64>,
+    from_clients: Arc<AtomicU64>,
 ) {
     resets.mark_unchanged();
     let replication = Arc::new(AtomicBool::new(false));
@@ -164,6 +181,7 @@ async fn connection(
         id,
         fault,
         replication: replication.clone(),
+        from_clients,
     };
     if link.passable().await.is_none() {
         return;
@@ -197,6 +215,8 @@ struct Link {
     fault: watch::Receiver<Faults>,
     /// Set once the client's startup message asked for replication.
     replication: Arc<AtomicBool>,
+    /// The proxy's count of bytes read from clients.
+    from_clients: Arc<AtomicU64>,
 }
 
 impl Link {
@@ -243,6 +263,9 @@ async fn pump(
         // The SSL request, then the startup message: the first chunks say what this is.
         if up && chunks < 3 && asks_for_replication(&buf[..n]) {
             link.replication.store(true, Ordering::Relaxed);
+        }
+        if up {
+            link.from_clients.fetch_add(n as u64, Ordering::Relaxed);
         }
         chunks += 1;
         let Some(delay) = link.passable().await else {
