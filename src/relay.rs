@@ -364,9 +364,9 @@ pub async fn run(
             }
             Mode::Stream => {
                 // The slot's server: a standby with OUTBOX_REPLICATION_URL, else the primary.
-                let pg = match &args.replication_url {
-                    Some(url) => standby::target(url)?,
-                    None => pg,
+                let (pg, primary) = match &args.replication_url {
+                    Some(url) => (standby::target(url)?, Some(pg)),
+                    None => (pg, None),
                 };
                 let stream = Stream {
                     port: PgSlot {
@@ -374,6 +374,7 @@ pub async fn run(
                         slot: args.slot.clone(),
                         publication: args.db.publication.clone(),
                         table: args.db.table.clone(),
+                        primary,
                         buffer_events: REPLICATION_BUFFER_EVENTS,
                     },
                     settings: StreamSettings {

@@ -102,3 +102,81 @@ async fn the_stream_reads_from_a_standby_while_sql_goes_to_the_primary() {
     );
     relay.stop().await;
 }
+
+/// A publication dropped on the primary while the stream decodes on a standby, under load: the
+/// slot on the standby cannot decode past the drop, so the relay heals it as on a primary (a new
+/// slot, the recovery poller delivering what the old one would have), creating the publication
+/// on the PRIMARY (the standby is read-only; before, the relay tried it on the standby and
+/// retried for ever) and the slot on the standby once it has replayed the publication. Nothing is
+/// lost, and the stream delivers again from the standby.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_dropped_under_a_standby_stream_heals() {
+    use common::checker::{verify, Load, LoadSpec};
+    let pair = PgPair::start().await;
+    if pair.major < 16 {
+        println!(
+            "STANDBY-PUBLICATION pg={} skipped (decoding on a standby needs 16+)",
+            pair.major
+        );
+        return;
+    }
+    let db = TestDb::on(&pair.primary.url, "standby_pub", true).await;
+    let standby_db_url = with_db(&pair.standby.url, &db.name);
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &[
+            "--replication-url",
+            &standby_db_url,
+            "--recovery-grace",
+            "2s",
+            "--poll-interval",
+            "200ms",
+        ],
+    ))
+    .await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    let published = relay.metrics.published.get();
+    eventually("the stream delivers", || async {
+        (relay.metrics.published.get() > published).then_some(())
+    })
+    .await;
+    db.client()
+        .await
+        .batch_execute("DROP PUBLICATION outbox_relay")
+        .await
+        .unwrap();
+    eventually("the relay heals the slot", || async {
+        (relay.metrics.publication_recreated.get() >= 1).then_some(())
+    })
+    .await;
+    assert!(
+        slot_on(&pair.standby.url, &db.slot).await,
+        "the new slot is on the standby"
+    );
+    assert!(
+        !slot_on(&pair.primary.url, &db.slot).await,
+        "and not on the primary"
+    );
+    let published = relay.metrics.published.get();
+    eventually("the stream delivers again", || async {
+        (relay.metrics.stream_up.get() == 1 && relay.metrics.published.get() > published)
+            .then_some(())
+    })
+    .await;
+    let result = load.stop().await;
+    let v = verify("standby_publication_recreated", &redis, &result, 1, 0).await;
+    assert!(v.ok(), "{v}");
+    assert_eq!(
+        relay.metrics.publication_recreated.get(),
+        1,
+        "healed once, not in a loop"
+    );
+    println!(
+        "STANDBY-PUBLICATION pg={} healed=1 committed={}",
+        pair.major,
+        result.committed.len()
+    );
+    relay.stop().await;
+}

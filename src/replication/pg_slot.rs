@@ -42,6 +42,9 @@ pub struct PgSlot {
     pub publication: String,
     /// The outbox table (a missing publication is created for it again).
     pub table: crate::pgoutput::TableName,
+    /// The primary, when `pg` is a standby that decodes (OUTBOX_REPLICATION_URL): a missing
+    /// publication is created there, as a standby is read-only.
+    pub primary: Option<PgTarget>,
     /// Events buffered between the socket reader and the session.
     pub buffer_events: usize,
 }
@@ -96,6 +99,17 @@ impl SlotPort for PgSlot {
     }
 
     async fn recreate(&self) -> Result<Lsn, StreamError> {
+        if let Some(primary) = &self.primary {
+            let info = super::standby::recreate_slot(
+                primary,
+                &self.pg,
+                &self.slot,
+                &self.publication,
+                &self.table,
+            )
+            .await?;
+            return Ok(info.confirmed_flush);
+        }
         let client = self.pg.connect().await?;
         let (info, _) =
             super::publication::recreate_slot(&client, &self.slot, &self.publication, &self.table)

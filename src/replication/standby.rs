@@ -23,11 +23,34 @@ pub enum StandbyError {
          PostgreSQL 16 or later (or leave {SETTING} unset to stream from the primary)"
     )]
     TooOld(String),
+    #[error(
+        "the standby has not replayed publication {publication:?} within {waited_secs} s of its \
+         creation on the primary (replication lag?); trying again"
+    )]
+    PublicationNotReplayed {
+        publication: String,
+        waited_secs: u64,
+    },
     #[error(transparent)]
     Setup(#[from] SetupError),
     #[error(transparent)]
     Postgres(#[from] PgError),
 }
+
+impl StandbyError {
+    /// Worth another try: the server or the link, or a standby still catching up.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            StandbyError::Postgres(_)
+                | StandbyError::Setup(SetupError::Query(_))
+                | StandbyError::PublicationNotReplayed { .. }
+        )
+    }
+}
+
+/// How long [`recreate_slot`] waits for the standby to replay the publication.
+const PUBLICATION_REPLAY_WAIT: Duration = Duration::from_secs(30);
 
 /// The replication target: `url` parsed, or the error naming the setting.
 pub fn target(url: &str) -> Result<PgTarget, ConfigError> {
@@ -84,4 +107,43 @@ pub async fn ensure_slot(
             }
         }
     }
+}
+
+/// Drops the slot on the standby and creates it again, as `recreate_slot` in
+/// [`super::publication`] does on a primary; a missing publication is created on the primary
+/// (a standby is read-only), and the slot only once the standby has replayed it, so that the
+/// new slot decodes from a position where the publication exists.
+pub async fn recreate_slot(
+    primary: &PgTarget,
+    replication: &PgTarget,
+    slot: &str,
+    publication: &str,
+    table: &crate::pgoutput::TableName,
+) -> Result<SlotInfo, StandbyError> {
+    let primary_client = primary.connect().await?;
+    setup::ensure_publication(&primary_client, publication, table).await?;
+    let client = replication.connect().await?;
+    let started = tokio::time::Instant::now();
+    loop {
+        let replayed = client
+            .query_opt(
+                "SELECT 1 FROM pg_publication WHERE pubname = $1",
+                &[&publication],
+            )
+            .await
+            .map_err(SetupError::from)?
+            .is_some();
+        if replayed {
+            break;
+        }
+        if started.elapsed() >= PUBLICATION_REPLAY_WAIT {
+            return Err(StandbyError::PublicationNotReplayed {
+                publication: publication.to_owned(),
+                waited_secs: PUBLICATION_REPLAY_WAIT.as_secs(),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    setup::drop_slot(&client, slot).await?;
+    ensure_slot(&primary_client, replication, slot).await
 }

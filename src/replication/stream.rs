@@ -69,6 +69,8 @@ pub enum StreamError {
     Postgres(#[from] PgError),
     #[error(transparent)]
     Invariant(#[from] InvariantViolation),
+    #[error(transparent)]
+    Standby(#[from] super::standby::StandbyError),
     #[error(
         "replication connection silent for {silent_secs} s (OUTBOX_LINK_TIMEOUT): the link is \
          dead (a black hole sends no FIN or RST); reconnecting"
@@ -97,6 +99,7 @@ impl StreamError {
             // replays from the last safe position.
             StreamError::Invariant(_) => true,
             StreamError::Setup(SetupError::Query(_)) => true,
+            StreamError::Standby(e) => e.is_retryable(),
             StreamError::Setup(_) | StreamError::SlotLost { .. } => false,
         }
     }
