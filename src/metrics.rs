@@ -112,6 +112,9 @@ pub struct Metrics {
     /// Links found dead: the replication connection silent past its deadline, or a health
     /// check of Postgres or Valkey failing (after passing).
     pub link_failures: Family<LinkLabel, Counter>,
+    /// Times the replication connection stayed silent past its deadline while its walsender was
+    /// busy decoding (the link was kept).
+    pub walsender_busy_silences: Counter,
     /// Times the publication was found recreated behind the slot (the slot was recreated).
     pub publication_recreated: Counter,
     /// Rows found sharing their event_id with an earlier row (one task for all of them).
@@ -157,6 +160,7 @@ impl Metrics {
             rows_rejected: Counter::default(),
             invariant_violations: Counter::default(),
             link_failures: Family::default(),
+            walsender_busy_silences: Counter::default(),
             publication_recreated: Counter::default(),
             shared_event_id: Counter::default(),
             shared_event_id_unchecked: Counter::default(),
@@ -168,6 +172,13 @@ impl Metrics {
             "Links found dead (replication connection silent past OUTBOX_LINK_TIMEOUT, or a \
              Postgres or Valkey health check failing), by link",
             m.link_failures.clone(),
+        );
+        registry.register(
+            "outbox_walsender_busy_silences",
+            "Times the replication connection stayed silent past OUTBOX_LINK_TIMEOUT while the \
+             server showed its walsender busy decoding (a long filtered transaction or a table \
+             rewrite): the link was kept, not taken for dead",
+            m.walsender_busy_silences.clone(),
         );
         registry.register(
             "outbox_publication_recreated",

@@ -58,15 +58,6 @@ impl Replica {
     }
 }
 
-/// A database whose walsenders run with `wal_sender_timeout` 4 s, so that the standbys'
-/// takeover bound stays at `--takeover-after 3s` (the relay raises it to 3/4 of the server's
-/// timeout, src/replication/liveness.rs; the cluster's 60 s would make it 45 s).
-async fn replica_db(prefix: &str) -> TestDb {
-    let db = TestDb::new(prefix).await;
-    filtered_replay::set_wal_sender_timeout(&db, "4s").await;
-    db
-}
-
 /// The pid of the walsender holding the slot (0 when none does).
 async fn active_pid(admin: &tokio_postgres::Client, slot: &str) -> i32 {
     admin
@@ -81,7 +72,7 @@ async fn active_pid(admin: &tokio_postgres::Client, slot: &str) -> i32 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_streams_and_another_takes_over_when_it_dies() {
-    let db = replica_db("replicas").await;
+    let db = TestDb::new("replicas").await;
     let redis = Redis::start();
     let mut replicas: Vec<Replica> = (0..3).map(|_| Replica::spawn(&db, &redis.url)).collect();
     let states = eventually("one streams, two stand by", || async {
@@ -150,7 +141,7 @@ async fn one_replica_streams_and_another_takes_over_when_it_dies() {
 /// the streaming replica's walsender is never terminated (its pid never changes) and it never
 /// reconnects. The standbys' recovery pollers deliver rows the stream left unpublished.
 async fn a_live_replica_is_never_touched(least_privilege: bool) {
-    let db = replica_db("live_replica").await;
+    let db = TestDb::new("live_replica").await;
     let lp;
     let relay_db = if least_privilege {
         lp = db.least_privilege_role().await;
@@ -263,19 +254,19 @@ async fn a_live_replica_is_never_touched_as_the_least_privilege_role() {
 
 /// A long transaction that the publication filters almost entirely, with two replicas: while
 /// the walsender replays it, it reads the active relay's status updates only every
-/// `wal_sender_timeout / 2` (here 4 s), so `pg_stat_replication.reply_time` stands still. With
-/// `--takeover-after 1s` below that silence, the standby must still not take the live holder for
-/// a zombie (it raises its bound to 3/4 of the server's timeout): before, it terminated the
+/// `wal_sender_timeout / 2` (here 6 s), so `pg_stat_replication.reply_time` stands still. With
+/// `--takeover-after 2s` below that silence, the standby must still not take the live holder for
+/// a zombie (the server shows the holder busy decoding): before, it terminated the
 /// holder, decoded the same transaction again, was terminated in turn by the other replica, and
 /// the stream never got past the transaction. The test checks that the silence happened, that
 /// the slot never changed hands, and that the event came through the stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_filtered_replay_is_not_taken_for_a_zombie() {
     let db = TestDb::new("replay_replicas").await;
-    filtered_replay::set_wal_sender_timeout(&db, "8s").await;
+    filtered_replay::set_wal_sender_timeout(&db, "12s").await;
     filtered_replay::create_business_table(&db).await;
     let redis = Redis::start();
-    let flags = ["--recovery-grace", "1h", "--takeover-after", "1s"];
+    let flags = ["--recovery-grace", "1h", "--takeover-after", "2s"];
     let a = Relay::start_streaming(run_args(&db, &redis.url, &flags)).await;
     let b = Relay::start(run_args(&db, &redis.url, &flags));
     eventually("the second relay stands by", || async {
@@ -291,7 +282,7 @@ async fn a_long_filtered_replay_is_not_taken_for_a_zombie() {
         b.postgres_reconnects()
     );
     assert!(
-        watch.longest_reply_silence > Duration::from_millis(1500),
+        watch.longest_reply_silence > Duration::from_millis(3000),
         "the scenario did not happen: the walsender read replies at least every {:?} (raise \
          OUTBOX_TEST_REPLAY_ROWS)",
         watch.longest_reply_silence

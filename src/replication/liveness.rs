@@ -18,27 +18,29 @@
 //! silence that follows is the relay's own backpressure, not the link's: the clock is paused,
 //! and on resuming the silence counts afresh.
 //!
-//! One silence of a live link is longer than a second, and the server sets its length: while
-//! the walsender replays a committed transaction whose changes the publication filters out (a
-//! bulk change of a business table with the outbox row at its end: the outbox pattern itself),
-//! it sends nothing and reads the client's status updates, answering their reply requests,
-//! only every `wal_sender_timeout / 2` (PostgreSQL's `WalSndUpdateProgress`, which calls
-//! `ProcessPendingWrites` no sooner than that after the last reply it processed). A deadline
-//! shorter than that takes the replay for a dead link, and the next session decodes the same
-//! transaction again, for ever. [`silence_bound`] is therefore never shorter than three
-//! quarters of the server's `wal_sender_timeout`: the longest silence of a live link plus a
-//! quarter of it as a margin. The same bound holds for a standby judging the slot's holder by
-//! its `reply_time` ([`super::takeover`]), which stops changing for as long.
+//! A live link can still be silent for longer: while the walsender replays a committed
+//! transaction whose changes the publication filters out (a bulk change of a business table
+//! with the outbox row at its end: the outbox pattern itself), it sends nothing and reads the
+//! client's status updates only every `wal_sender_timeout / 2` (PostgreSQL's
+//! `WalSndUpdateProgress`); on PostgreSQL 14 and 15 it reads none at all while it replays a
+//! table rewrite (`ALTER TABLE ... TYPE`), however long that takes. Silence cannot tell that
+//! from a dead link, so when the deadline passes the session asks the server, over an SQL
+//! connection, what the walsender holding the slot is doing
+//! ([`super::source::ReplicationSource::walsender_busy`], [`walsender_busy`]): busy decoding,
+//! the link lives and the count starts again; waiting for its client or for WAL (it would have
+//! answered a live client at once), or no answer, the link is dead. A link black-holed in the
+//! kernel is found by `TCP_USER_TIMEOUT` in any case: a status update goes out every second.
 
 use std::time::{Duration, Instant};
 
-/// The silence a live replication link can show on a server whose walsenders run with
-/// `wal_sender_timeout` (`None`: unknown; zero: off, and then the walsender reads replies
-/// between any two changes): the `configured` bound, raised to three quarters of the timeout.
-pub fn silence_bound(configured: Duration, wal_sender_timeout: Option<Duration>) -> Duration {
-    match wal_sender_timeout {
-        Some(w) if !w.is_zero() => configured.max(w * 3 / 4),
-        _ => configured,
+/// Whether a walsender whose `pg_stat_activity.wait_event` is `wait_event` is busy decoding:
+/// no wait event (on the CPU) or one that is not a walsender's wait for its client or for WAL
+/// (`WalSenderMain`, `WalSenderWaitForWAL`, `WalSenderWriteData`; spelled differently across
+/// versions, hence the prefix).
+pub fn walsender_busy(wait_event: Option<&str>) -> bool {
+    match wait_event {
+        None => true,
+        Some(e) => !e.to_ascii_lowercase().starts_with("walsender"),
     }
 }
 
@@ -104,19 +106,24 @@ mod tests {
     }
 
     #[test]
-    fn the_bound_covers_the_walsenders_longest_silence() {
-        let w = |s: u64| Some(secs(s));
-        // PostgreSQL's default 60 s: a filtered replay is silent for up to 30 s.
-        assert_eq!(silence_bound(secs(30), w(60)), secs(45));
-        assert_eq!(silence_bound(secs(1), w(4)), secs(3));
-        // A configured bound already above it stays.
-        assert_eq!(silence_bound(secs(60), w(60)), secs(60));
-        // Off (0) or unknown: the walsender's silence is not bounded by it; configured only.
-        assert_eq!(silence_bound(secs(30), w(0)), secs(30));
-        assert_eq!(silence_bound(secs(30), None), secs(30));
-        // Always strictly above half the timeout, the silence the replay can show.
-        for t in [1u64, 4, 7, 60, 600] {
-            assert!(silence_bound(secs(1), w(t)) > secs(t) / 2);
+    fn a_walsender_waiting_for_its_client_or_for_wal_is_not_busy() {
+        for waiting in [
+            "WalSenderMain",
+            "WalSenderWaitForWAL",
+            "WalSenderWaitForWal",
+            "WalSenderWriteData",
+        ] {
+            assert!(!walsender_busy(Some(waiting)), "{waiting}");
+        }
+        // On the CPU (decoding, replaying), or reading spilled changes or WAL from disk.
+        for busy in [
+            None,
+            Some("ReorderBufferRead"),
+            Some("WALRead"),
+            Some("DataFileRead"),
+            Some("WALWrite"),
+        ] {
+            assert!(walsender_busy(busy), "{busy:?}");
         }
     }
 

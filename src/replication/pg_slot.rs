@@ -17,21 +17,81 @@ use tokio_util::sync::CancellationToken;
 /// Valkey), and wakes to do so. Well under the server's `wal_sender_timeout`.
 const STATUS_INTERVAL: Duration = Duration::from_secs(1);
 
-impl ReplicationSource for ReplicationClient {
+/// How long the busy probe may take (it runs while the session waits on it).
+const BUSY_PROBE_LIMIT: Duration = Duration::from_secs(5);
+/// The probe looks this many times, this far apart: one look could land on a walsender busy
+/// decoding in the moment it flushes a message.
+const BUSY_PROBE_LOOKS: usize = 3;
+const BUSY_PROBE_SPACING: Duration = Duration::from_millis(100);
+
+/// A started replication connection on a real server, with what it needs to ask the server
+/// about its walsender.
+pub struct PgSource {
+    client: ReplicationClient,
+    /// The slot's server, over SQL.
+    pg: PgTarget,
+    slot: String,
+}
+
+impl PgSource {
+    /// The walsender holding the slot, as `pg_stat_activity` shows it: busy, or waiting for its
+    /// client or for WAL; `Ok(None)` when no walsender holds the slot.
+    async fn look(&self, client: &tokio_postgres::Client) -> Result<Option<bool>, PgError> {
+        let row = client
+            .query_opt(
+                "SELECT a.wait_event FROM pg_replication_slots s \
+                 JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = $1",
+                &[&self.slot],
+            )
+            .await?;
+        Ok(row.map(|r| super::liveness::walsender_busy(r.get::<_, Option<&str>>(0))))
+    }
+}
+
+impl ReplicationSource for PgSource {
     async fn recv(&mut self) -> Result<Option<ReplicationEvent>, PgWireError> {
-        ReplicationClient::recv(self).await
+        self.client.recv().await
     }
 
     fn update_applied_lsn(&self, lsn: Lsn) {
-        ReplicationClient::update_applied_lsn(self, lsn)
+        self.client.update_applied_lsn(lsn)
     }
 
     fn feedback_pending(&self) -> bool {
-        self.feedback_pending_since().is_some()
+        self.client.feedback_pending_since().is_some()
     }
 
     async fn shutdown(&mut self) {
-        let _ = ReplicationClient::shutdown(self).await;
+        let _ = self.client.shutdown().await;
+    }
+
+    async fn walsender_busy(&self) -> Option<bool> {
+        let probe = async {
+            let client = self.pg.connect().await?;
+            for look in 0..BUSY_PROBE_LOOKS {
+                if look > 0 {
+                    tokio::time::sleep(BUSY_PROBE_SPACING).await;
+                }
+                match self.look(&client).await? {
+                    Some(true) => return Ok(true),
+                    Some(false) => {}
+                    // Nobody holds the slot: this connection's walsender is gone.
+                    None => return Ok(false),
+                }
+            }
+            Ok::<bool, PgError>(false)
+        };
+        match tokio::time::timeout(BUSY_PROBE_LIMIT.min(self.pg.link_timeout()), probe).await {
+            Ok(Ok(busy)) => Some(busy),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %crate::error_chain::error_chain(&e), "could not ask the server about the silent replication connection's walsender");
+                None
+            }
+            Err(_) => {
+                tracing::warn!("the server did not say in time what the silent replication connection's walsender is doing");
+                None
+            }
+        }
     }
 }
 
@@ -83,7 +143,7 @@ fn tls_refused_after_accept(msg: &str) -> bool {
 }
 
 impl SlotPort for PgSlot {
-    type Source = ReplicationClient;
+    type Source = PgSource;
 
     fn publication(&self) -> &str {
         &self.publication
@@ -121,7 +181,7 @@ impl SlotPort for PgSlot {
         &self,
         start: Lsn,
         shutdown: &CancellationToken,
-    ) -> Result<Option<ReplicationClient>, StreamError> {
+    ) -> Result<Option<PgSource>, StreamError> {
         let cfg = self
             .pg
             .replication(&self.slot, &self.publication)
@@ -131,6 +191,10 @@ impl SlotPort for PgSlot {
             .with_wakeup_interval(STATUS_INTERVAL)
             // Each idle wakeup asks the walsender for a keepalive: proof the link lives.
             .with_reply_requested_when_idle(true)
+            // A status update goes out every second, so on a black-holed link the kernel has
+            // unacknowledged data within a second and gives up after this long, whatever the
+            // receive deadline (which a busy walsender extends, see `walsender_busy`).
+            .with_tcp_user_timeout(self.pg.link_timeout())
             .with_buffer_size(self.buffer_events)
             // Needed for feedback_pending_since(): the final ack is confirmed sent.
             .with_feedback_observer(FeedbackObserver::new(|_| {}));
@@ -145,6 +209,13 @@ impl SlotPort for PgSlot {
             }
             other => other,
         }
+        .map(|client| {
+            client.map(|client| PgSource {
+                client,
+                pg: self.pg.clone(),
+                slot: self.slot.clone(),
+            })
+        })
         .map_err(StreamError::Replication)
     }
 
@@ -154,8 +225,10 @@ impl SlotPort for PgSlot {
         // roles it reads NULL even for a live walsender, which must not look silent.
         let row = client
             .query_opt(
-                "SELECT r.pid, r.reply_time::text, pg_has_role('pg_read_all_stats', 'USAGE') \
+                "SELECT r.pid, r.reply_time::text, pg_has_role('pg_read_all_stats', 'USAGE'), \
+                 a.wait_event \
                  FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid \
+                 LEFT JOIN pg_stat_activity a ON a.pid = r.pid \
                  WHERE s.slot_name = $1",
                 &[&self.slot],
             )
@@ -165,6 +238,7 @@ impl SlotPort for PgSlot {
             pid: r.get(0),
             reply_time: r.get(1),
             can_see_replies: r.get(2),
+            busy: super::liveness::walsender_busy(r.get::<_, Option<&str>>(3)),
         }))
     }
 
@@ -175,29 +249,6 @@ impl SlotPort for PgSlot {
             .await
             .map_err(PgError::from)?;
         Ok(())
-    }
-
-    async fn wal_sender_timeout(&self) -> Option<Duration> {
-        let read = async {
-            let client = self.pg.connect().await?;
-            // As this role sees it on this database: ALTER ROLE / ALTER DATABASE settings and
-            // the connection's `options` apply to its walsender as to this session.
-            let row = client
-                .query_one(
-                    "SELECT setting::bigint FROM pg_settings WHERE name = 'wal_sender_timeout'",
-                    &[],
-                )
-                .await
-                .map_err(PgError::from)?;
-            Ok::<i64, StreamError>(row.get(0))
-        };
-        match read.await {
-            Ok(ms) => Some(Duration::from_millis(ms.max(0) as u64)),
-            Err(e) => {
-                tracing::debug!(error = %crate::error_chain::error_chain(&e), "could not read wal_sender_timeout");
-                None
-            }
-        }
     }
 
     async fn observe(&self) -> Option<super::slot_watch::Observation> {

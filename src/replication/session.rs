@@ -188,9 +188,24 @@ impl<'a, S: Sink> Session<'a, S> {
                     self.dispatch()?;
                 }
                 // 7: the link is dead; nothing more is acknowledged on it.
+                // A walsender busy decoding reads no status update (see `super::liveness`):
+                // the server is asked before the link is called dead.
                 _ = sleep_until_opt(deadline), if deadline.is_some() => {
                     let silent = self.liveness.as_ref().and_then(|l| l.dead(Instant::now().into_std()));
                     if let Some(silent) = silent {
+                        if source.walsender_busy().await == Some(true) {
+                            tracing::info!(
+                                silent_secs = silent.as_secs(),
+                                "replication connection silent, but its walsender is busy decoding \
+                                 (a long transaction the publication filters, or a table rewrite): \
+                                 the link lives"
+                            );
+                            self.cx.metrics.walsender_busy_silences.inc();
+                            if let Some(l) = &mut self.liveness {
+                                l.heard(Instant::now().into_std());
+                            }
+                            continue;
+                        }
                         self.cx.metrics.link_failures.get_or_create(&LinkLabel { link: "replication" }).inc();
                         return Err(StreamError::LinkDead { silent_secs: silent.as_secs() });
                     }

@@ -25,6 +25,14 @@ pub trait ReplicationSource: Send {
 
     /// Closes the connection (bounded by the caller).
     fn shutdown(&mut self) -> impl Future<Output = ()> + Send;
+
+    /// Asked when the connection has been silent for the whole receive deadline: whether the
+    /// walsender behind it is busy decoding (and so reads no status update), as the server
+    /// says over another connection (see [`super::liveness`]). `None`: unknown, or no answer
+    /// in time (the default: a source that is silent only when its link is dead).
+    fn walsender_busy(&self) -> impl Future<Output = Option<bool>> + Send {
+        async { None }
+    }
 }
 
 /// The slot as the database has it now.
@@ -48,6 +56,9 @@ pub struct SlotHolder {
     pub reply_time: Option<String>,
     /// Whether this role can see `reply_time` (superuser or `pg_read_all_stats`).
     pub can_see_replies: bool,
+    /// Whether the walsender is busy decoding (see [`super::liveness::walsender_busy`]): it
+    /// then reads no status update, and an unchanged `reply_time` proves nothing.
+    pub busy: bool,
 }
 
 /// The replication slot and the connections to it.
@@ -74,13 +85,6 @@ pub trait SlotPort: Send + Sync {
 
     /// Terminates the walsender `pid` (a zombie holding the slot).
     fn terminate(&self, pid: i32) -> impl Future<Output = Result<(), StreamError>> + Send;
-
-    /// The `wal_sender_timeout` the slot's walsenders run with (see
-    /// [`super::liveness::silence_bound`]); None when unknown (the default: an implementation
-    /// whose source is never silent longer than its messages say).
-    fn wal_sender_timeout(&self) -> impl Future<Output = Option<std::time::Duration>> + Send {
-        async { None }
-    }
 
     /// The slot's server and position before a session, for [`super::slot_watch`]; None when
     /// unknown (the default: an implementation without a server identity).

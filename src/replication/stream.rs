@@ -4,7 +4,6 @@
 //! stands by, and takes the slot over from a zombie walsender ([`super::takeover`]).
 
 use super::invariant::InvariantViolation;
-use super::liveness::silence_bound;
 use super::publication;
 use super::session::{Session, SessionContext, SessionEnd};
 use super::setup::SetupError;
@@ -156,10 +155,6 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
                 self.metrics.stream_standby.set(i64::from(standing_by));
                 if standing_by {
                     tracing::info!(slot = %self.settings.slot, "slot held by another session; standing by");
-                    let after = self
-                        .bounded("OUTBOX_TAKEOVER_AFTER", self.settings.takeover_after)
-                        .await;
-                    watch.set_after(after);
                 } else {
                     watch = TakeoverWatch::new(self.settings.takeover_after);
                 }
@@ -252,24 +247,6 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         }
     }
 
-    /// `configured` (the bound named `what`) raised, where the server's `wal_sender_timeout`
-    /// makes a live walsender silent for longer (see [`super::liveness::silence_bound`]).
-    async fn bounded(&self, what: &'static str, configured: Duration) -> Duration {
-        let wal_sender_timeout = self.port.wal_sender_timeout().await;
-        let bound = silence_bound(configured, wal_sender_timeout);
-        if bound > configured {
-            tracing::info!(
-                configured_ms = configured.as_millis() as u64,
-                used_ms = bound.as_millis() as u64,
-                wal_sender_timeout_ms = wal_sender_timeout.unwrap_or_default().as_millis() as u64,
-                "{what} raised to 3/4 of wal_sender_timeout: a walsender replaying a transaction \
-                 the publication filters reads status updates only every wal_sender_timeout / 2, \
-                 and a live link or a live replica would be taken for dead"
-            );
-        }
-        bound
-    }
-
     /// The walsender cannot decode past the publication's drop (see [`publication`]).
     fn publication_dropped(&self, e: &StreamError) -> bool {
         matches!(e, StreamError::Replication(PgWireError::Server(msg))
@@ -359,15 +336,8 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         self.metrics.stream_up.set(1);
         // A standby that took the slot over streams now.
         self.metrics.stream_standby.set(0);
-        let settings = match self.settings.link_timeout {
-            Some(configured) => StreamSettings {
-                link_timeout: Some(self.bounded("OUTBOX_LINK_TIMEOUT", configured).await),
-                ..self.settings.clone()
-            },
-            None => self.settings.clone(),
-        };
         let cx = SessionContext {
-            settings: &settings,
+            settings: &self.settings,
             tasks: &self.tasks,
             sink: &self.sink,
             metrics: &self.metrics,

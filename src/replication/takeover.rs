@@ -9,6 +9,10 @@
 //! wrote (the hosts' clocks may disagree). A role that cannot see `reply_time` (neither superuser
 //! nor a member of `pg_read_all_stats`) never takes over: it waits for the server's
 //! `wal_sender_timeout` to end the zombie instead, because a live holder would look silent.
+//! Nor does a holder busy decoding count as silent: while it replays a transaction the
+//! publication filters (or, on PostgreSQL 14 and 15, a table rewrite) it reads no status update
+//! for up to `wal_sender_timeout / 2` (or for the whole rewrite), so its `reply_time` stands
+//! still although its client lives ([`super::liveness`]).
 
 use super::source::SlotHolder;
 use std::time::Duration;
@@ -38,16 +42,6 @@ impl TakeoverWatch {
         Self { after, seen: None }
     }
 
-    /// How long the holder must stay silent to be a zombie.
-    pub fn after(&self) -> Duration {
-        self.after
-    }
-
-    /// Changes that bound (the server's `wal_sender_timeout` raised it); what was observed stays.
-    pub fn set_after(&mut self, after: Duration) {
-        self.after = after;
-    }
-
     /// Records an observation made at `now` and judges the holder.
     pub fn observe(&mut self, holder: Option<&SlotHolder>, now: Instant) -> Verdict {
         let Some(h) = holder else {
@@ -59,6 +53,8 @@ impl TakeoverWatch {
             return Verdict::CannotTell;
         }
         let since = match &self.seen {
+            // Busy decoding, it reads no status update: not silent, whatever reply_time says.
+            _ if h.busy => now,
             Some((pid, reply, since)) if *pid == h.pid && *reply == h.reply_time => *since,
             _ => now,
         };
@@ -78,6 +74,7 @@ mod tests {
 
     fn holder(pid: i32, reply: Option<&str>, visible: bool) -> SlotHolder {
         SlotHolder {
+            busy: false,
             pid,
             reply_time: reply.map(str::to_owned),
             can_see_replies: visible,
@@ -95,6 +92,39 @@ mod tests {
             let v = w.observe(Some(&h), t0 + Duration::from_secs(i));
             assert_eq!(v, Verdict::Live, "second {i}");
         }
+    }
+
+    #[test]
+    fn a_holder_busy_decoding_is_never_a_zombie_and_its_silence_counts_from_the_last_busy_look() {
+        let t0 = Instant::now();
+        let mut w = TakeoverWatch::new(Duration::from_secs(5));
+        let busy = SlotHolder {
+            busy: true,
+            ..holder(7, Some("2026-01-01 00:00:00+00"), true)
+        };
+        for s in 0..60u64 {
+            assert_eq!(
+                w.observe(Some(&busy), t0 + Duration::from_secs(s)),
+                Verdict::Live,
+                "second {s}"
+            );
+        }
+        // Done replaying, it waits with the same reply_time: the silence counts from the last
+        // look that saw it busy (second 59).
+        let waiting = holder(7, Some("2026-01-01 00:00:00+00"), true);
+        let t1 = t0 + Duration::from_secs(60);
+        assert_eq!(w.observe(Some(&waiting), t1), Verdict::Live);
+        assert_eq!(
+            w.observe(Some(&waiting), t1 + Duration::from_secs(3)),
+            Verdict::Live
+        );
+        assert_eq!(
+            w.observe(Some(&waiting), t1 + Duration::from_secs(4)),
+            Verdict::Zombie {
+                pid: 7,
+                silent: Duration::from_secs(5)
+            }
+        );
     }
 
     #[test]

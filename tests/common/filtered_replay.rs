@@ -1,19 +1,20 @@
 //! A long transaction that the publication filters almost entirely: a bulk change of a business
 //! table with one outbox row at its end (the outbox pattern itself). While the walsender
 //! replays it, it sends nothing and reads its client's status updates only every
-//! `wal_sender_timeout / 2`, so the slot holder's `reply_time` stops changing for that long:
+//! `wal_sender_timeout / 2` (and on PostgreSQL 14 and 15, for a table rewrite, not at all until
+//! the rewrite is replayed), so the slot holder's `reply_time` stops changing for that long:
 //! [`ReplayWatch`] measures that silence, so a test can show the scenario really happened.
 
 use super::{pending_ids, Redis, TestDb, PATIENCE};
 use std::time::{Duration, Instant};
 
-/// Rows of the bulk change (`OUTBOX_TEST_REPLAY_ROWS`, default 1,500,000: a few seconds of
-/// replay on the project's 2-core machine).
+/// Rows of the bulk change (`OUTBOX_TEST_REPLAY_ROWS`, default 2,500,000: about ten seconds
+/// of replay on the project's 2-core machine).
 pub fn replay_rows() -> i64 {
     std::env::var("OUTBOX_TEST_REPLAY_ROWS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(1_500_000)
+        .unwrap_or(2_500_000)
 }
 
 /// Sets `wal_sender_timeout` for the walsenders of `db` (new connections only).
@@ -51,6 +52,38 @@ pub async fn commit_bulk_change(db: &TestDb, rows: i64) -> String {
         .query_one(
             "INSERT INTO outbox_events (event_id, event_name, payload) \
              VALUES (gen_random_uuid(), 'bulk.done', '{}') RETURNING event_id::text",
+            &[],
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    row.get(0)
+}
+
+/// Fills the business table with `rows` rows (before the relay's slot exists: never decoded).
+pub async fn load_business_rows(db: &TestDb, rows: i64) {
+    db.client()
+        .await
+        .execute(
+            "INSERT INTO business SELECT g, 'x' FROM generate_series(1, $1::bigint) g",
+            &[&rows],
+        )
+        .await
+        .unwrap();
+}
+
+/// Rewrites the whole business table (`ALTER TABLE ... TYPE`) and commits one outbox row in
+/// the same transaction; its event id.
+pub async fn commit_rewrite(db: &TestDb) -> String {
+    let mut c = db.client().await;
+    let tx = c.transaction().await.unwrap();
+    tx.batch_execute("ALTER TABLE business ALTER COLUMN id TYPE numeric")
+        .await
+        .unwrap();
+    let row = tx
+        .query_one(
+            "INSERT INTO outbox_events (event_id, event_name, payload) \
+             VALUES (gen_random_uuid(), 'rewrite.done', '{}') RETURNING event_id::text",
             &[],
         )
         .await

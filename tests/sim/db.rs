@@ -397,6 +397,8 @@ impl SlotPort for SimPort {
                 pid: w.pid,
                 reply_time: visible.then(|| format!("{:?}", w.last_reply.duration_since(start))),
                 can_see_replies: visible,
+                // The simulated walsender never decodes for long without answering.
+                busy: false,
             }))
     }
 

@@ -497,6 +497,13 @@ pub struct ReplicationConfig {
     ///
     /// Default: `false`
     pub request_reply_when_idle: bool,
+
+    /// `TCP_USER_TIMEOUT` of the TCP socket (Linux): the kernel closes the connection when data
+    /// it sent stays unacknowledged this long, as on a black-holed link. `None` leaves the
+    /// system default (the retransmission limit, about 15 minutes).
+    ///
+    /// Default: `None`
+    pub tcp_user_timeout: Option<Duration>,
 }
 
 impl Default for ReplicationConfig {
@@ -522,6 +529,7 @@ impl Default for ReplicationConfig {
             application_name: None,
             feedback_observer: None,
             request_reply_when_idle: false,
+            tcp_user_timeout: None,
         }
     }
 }
@@ -745,6 +753,13 @@ impl ReplicationConfig {
     /// [`request_reply_when_idle`](Self::request_reply_when_idle)).
     pub fn with_reply_requested_when_idle(mut self, request: bool) -> Self {
         self.request_reply_when_idle = request;
+        self
+    }
+
+    /// Set the TCP socket's `TCP_USER_TIMEOUT` (see
+    /// [`tcp_user_timeout`](Self::tcp_user_timeout)).
+    pub fn with_tcp_user_timeout(mut self, timeout: Duration) -> Self {
+        self.tcp_user_timeout = Some(timeout);
         self
     }
 

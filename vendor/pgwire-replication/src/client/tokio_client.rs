@@ -485,6 +485,10 @@ async fn run_worker(worker: &mut WorkerState, cfg: &ReplicationConfig) -> Result
 
     let tcp = TcpStream::connect((cfg.host.as_str(), cfg.port)).await?;
     tcp.set_nodelay(true)?;
+    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+    if let Some(timeout) = cfg.tcp_user_timeout {
+        socket2::SockRef::from(&tcp).set_tcp_user_timeout(Some(timeout))?;
+    }
 
     #[cfg(feature = "tls-rustls")]
     {
