@@ -539,3 +539,58 @@ async fn a_kernel_black_hole_under_a_busy_walsender_is_found_by_tcp_user_timeout
     );
     relay.stop().await;
 }
+
+/// A replication link black-holed above the kernel (the fault proxy) while the server decodes a
+/// steady load that the publication filters (business inserts, no outbox rows), with
+/// `wal_sender_timeout` off, so that only the relay can find the link dead. The walsender is
+/// busy, but from record to record, reading status updates between them: the probe must not
+/// take that for a replay (found by review: the link was kept 9 times, until the walsender's own
+/// timeout ended it). The relay finds the link dead, and its standby check then takes the slot
+/// back from the zombie walsender (busy the same way) and streams again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_black_hole_under_filtered_load_is_not_excused_by_a_busy_walsender() {
+    let db = TestDb::new("l_fload").await;
+    filtered_replay::set_wal_sender_timeout(&db, "0").await;
+    filtered_replay::create_business_table(&db).await;
+    let redis = Redis::start();
+    let proxy = Proxy::in_front_of(&db.url).await;
+    let relay = Relay::start_streaming(run_args(&through(&db, &proxy), &redis.url, &FLAGS)).await;
+    let first = db.wait_walsender_other_than(None).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (stop, c) = (stop.clone(), db.client().await);
+        tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                c.execute(
+                    "INSERT INTO business SELECT g, 'x' FROM generate_series(1, 20000) g",
+                    &[],
+                )
+                .await
+                .unwrap();
+            }
+        })
+    };
+    proxy.set_replication(Fault::BlackHole);
+    until("the relay finds the replication link dead", async || {
+        link_failures(&relay, "replication") >= 1
+    })
+    .await;
+    proxy.set_replication(Fault::Pass);
+    // The zombie (the first walsender) is taken over, and the stream is up again.
+    let second = db.wait_walsender_other_than(Some(first)).await;
+    until("the stream is up again", async || {
+        relay.metrics.stream_up.get() == 1
+    })
+    .await;
+    println!(
+        "LINK-TIMES filtered_load_black_hole busy_silences={} walsenders={first}->{second}",
+        relay.metrics.walsender_busy_silences.get()
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    load.await.unwrap();
+    let mut c = db.client().await;
+    let ids = insert_events(&mut c, "after.hole", 3, 3).await;
+    let pending = wait_pending(&redis, "default", 3).await;
+    assert!(ids.iter().all(|id| pending.contains(id)));
+    relay.stop().await;
+}

@@ -40,8 +40,31 @@ use std::time::{Duration, Instant};
 pub fn walsender_busy(wait_event: Option<&str>) -> bool {
     match wait_event {
         None => true,
-        Some(e) => !e.to_ascii_lowercase().starts_with("walsender"),
+        Some(e) => {
+            !(e.to_ascii_lowercase().starts_with("walsender") || WAITING_EVENTS.contains(&e))
+        }
     }
+}
+
+/// Other wait events of a walsender that waits rather than decodes: for the standbys of
+/// `synchronized_standby_slots` (a failover slot, PostgreSQL 17+), or on its client's socket.
+const WAITING_EVENTS: [&str; 3] = ["WaitForStandbyConfirmation", "ClientWrite", "ClientRead"];
+
+/// Whether looks at a walsender, each its wait event and its `sent_lsn`, show it busy INSIDE one
+/// WAL record: busy in every look, and its sent position unmoved. Only then does it read no
+/// status update: between records (decoding WAL as it comes, even WAL the publication filters)
+/// it reads them, and a client it does not answer is gone.
+pub fn busy_inside_one_record<'a>(
+    looks: impl IntoIterator<Item = (Option<&'a str>, &'a str)>,
+) -> bool {
+    let mut first: Option<&str> = None;
+    for (wait_event, sent_lsn) in looks {
+        if !walsender_busy(wait_event) || first.is_some_and(|f| f != sent_lsn) {
+            return false;
+        }
+        first.get_or_insert(sent_lsn);
+    }
+    first.is_some()
 }
 
 /// The receive deadline of one replication session.
@@ -112,6 +135,9 @@ mod tests {
             "WalSenderWaitForWAL",
             "WalSenderWaitForWal",
             "WalSenderWriteData",
+            "WaitForStandbyConfirmation",
+            "ClientWrite",
+            "ClientRead",
         ] {
             assert!(!walsender_busy(Some(waiting)), "{waiting}");
         }
@@ -125,6 +151,28 @@ mod tests {
         ] {
             assert!(walsender_busy(busy), "{busy:?}");
         }
+    }
+
+    #[test]
+    fn only_a_walsender_busy_inside_one_record_excuses_silence() {
+        let replaying = [
+            (None, "0/100"),
+            (Some("ReorderBufferRead"), "0/100"),
+            (None, "0/100"),
+        ];
+        assert!(busy_inside_one_record(replaying));
+        // Decoding record after record (its sent position moves): it reads replies meanwhile.
+        assert!(!busy_inside_one_record([
+            (None, "0/100"),
+            (None, "0/200"),
+            (None, "0/300")
+        ]));
+        // Waiting in any one look.
+        assert!(!busy_inside_one_record([
+            (None, "0/100"),
+            (Some("WalSenderMain"), "0/100")
+        ]));
+        assert!(!busy_inside_one_record(std::iter::empty()));
     }
 
     #[test]

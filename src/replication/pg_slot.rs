@@ -19,8 +19,8 @@ const STATUS_INTERVAL: Duration = Duration::from_secs(1);
 
 /// How long the busy probe may take (it runs while the session waits on it).
 const BUSY_PROBE_LIMIT: Duration = Duration::from_secs(5);
-/// The probe looks this many times, this far apart: one look could land on a walsender busy
-/// decoding in the moment it flushes a message.
+/// The probe looks this many times, this far apart: busy in every look with its sent position
+/// unmoved means inside one record (see `liveness::busy_inside_one_record`).
 const BUSY_PROBE_LOOKS: usize = 3;
 const BUSY_PROBE_SPACING: Duration = Duration::from_millis(100);
 
@@ -34,17 +34,22 @@ pub struct PgSource {
 }
 
 impl PgSource {
-    /// The walsender holding the slot, as `pg_stat_activity` shows it: busy, or waiting for its
-    /// client or for WAL; `Ok(None)` when no walsender holds the slot.
-    async fn look(&self, client: &tokio_postgres::Client) -> Result<Option<bool>, PgError> {
+    /// The walsender holding the slot, as the server shows it: its wait event and sent
+    /// position; `Ok(None)` when no walsender holds the slot or this role cannot see it.
+    async fn look(
+        &self,
+        client: &tokio_postgres::Client,
+    ) -> Result<Option<(Option<String>, String)>, PgError> {
         let row = client
             .query_opt(
-                "SELECT a.wait_event FROM pg_replication_slots s \
-                 JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = $1",
+                "SELECT a.wait_event, r.sent_lsn::text FROM pg_replication_slots s \
+                 JOIN pg_stat_replication r ON r.pid = s.active_pid \
+                 JOIN pg_stat_activity a ON a.pid = r.pid \
+                 WHERE s.slot_name = $1 AND a.state IS NOT NULL AND r.sent_lsn IS NOT NULL",
                 &[&self.slot],
             )
             .await?;
-        Ok(row.map(|r| super::liveness::walsender_busy(r.get::<_, Option<&str>>(0))))
+        Ok(row.map(|r| (r.get(0), r.get(1))))
     }
 }
 
@@ -68,18 +73,20 @@ impl ReplicationSource for PgSource {
     async fn walsender_busy(&self) -> Option<bool> {
         let probe = async {
             let client = self.pg.connect().await?;
+            let mut looks = Vec::with_capacity(BUSY_PROBE_LOOKS);
             for look in 0..BUSY_PROBE_LOOKS {
                 if look > 0 {
                     tokio::time::sleep(BUSY_PROBE_SPACING).await;
                 }
                 match self.look(&client).await? {
-                    Some(true) => return Ok(true),
-                    Some(false) => {}
-                    // Nobody holds the slot: this connection's walsender is gone.
+                    Some(seen) => looks.push(seen),
+                    // Nobody holds the slot (or not visibly): this connection's walsender is gone.
                     None => return Ok(false),
                 }
             }
-            Ok::<bool, PgError>(false)
+            Ok::<bool, PgError>(super::liveness::busy_inside_one_record(
+                looks.iter().map(|(w, lsn)| (w.as_deref(), lsn.as_str())),
+            ))
         };
         match tokio::time::timeout(BUSY_PROBE_LIMIT.min(self.pg.link_timeout()), probe).await {
             Ok(Ok(busy)) => Some(busy),
@@ -226,7 +233,7 @@ impl SlotPort for PgSlot {
         let row = client
             .query_opt(
                 "SELECT r.pid, r.reply_time::text, pg_has_role('pg_read_all_stats', 'USAGE'), \
-                 a.wait_event \
+                 a.wait_event, r.sent_lsn::text \
                  FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid \
                  LEFT JOIN pg_stat_activity a ON a.pid = r.pid \
                  WHERE s.slot_name = $1",
@@ -239,6 +246,7 @@ impl SlotPort for PgSlot {
             reply_time: r.get(1),
             can_see_replies: r.get(2),
             busy: super::liveness::walsender_busy(r.get::<_, Option<&str>>(3)),
+            sent_lsn: r.get(4),
         }))
     }
 

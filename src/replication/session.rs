@@ -97,6 +97,9 @@ pub struct Session<'a, S: Sink> {
     linger_at: Option<Instant>,
     /// The receive deadline (see [`super::liveness`]); `None` without a link timeout.
     liveness: Option<Liveness>,
+    /// Set when a silence was given one more deadline after the server showed the walsender
+    /// reading (it may have answered while the probe ran); cleared by any message.
+    silence_rechecked: bool,
 }
 
 impl<'a, S: Sink> Session<'a, S> {
@@ -120,6 +123,7 @@ impl<'a, S: Sink> Session<'a, S> {
             sent_micros: 0,
             open_since: None,
             linger_at: None,
+            silence_rechecked: false,
             liveness: cx
                 .settings
                 .link_timeout
@@ -171,6 +175,7 @@ impl<'a, S: Sink> Session<'a, S> {
                         if let Some(l) = &mut self.liveness {
                             l.heard(Instant::now().into_std());
                         }
+                        self.silence_rechecked = false;
                         self.on_event(ev, source)?
                     }
                     Ok(None) => return Ok(SessionEnd::ServerClosed),
@@ -193,7 +198,18 @@ impl<'a, S: Sink> Session<'a, S> {
                 _ = sleep_until_opt(deadline), if deadline.is_some() => {
                     let silent = self.liveness.as_ref().and_then(|l| l.dead(Instant::now().into_std()));
                     if let Some(silent) = silent {
-                        if source.walsender_busy().await == Some(true) {
+                        let busy = source.walsender_busy().await;
+                        // A walsender that reads (between records, or waiting) may have
+                        // answered while the probe ran: one more deadline before calling the
+                        // link dead; a busy one (inside one record) keeps the link.
+                        if busy == Some(false) && !self.silence_rechecked {
+                            self.silence_rechecked = true;
+                            if let Some(l) = &mut self.liveness {
+                                l.heard(Instant::now().into_std());
+                            }
+                            continue;
+                        }
+                        if busy == Some(true) {
                             tracing::info!(
                                 silent_secs = silent.as_secs(),
                                 "replication connection silent, but its walsender is busy decoding \

@@ -59,6 +59,9 @@ pub struct SlotHolder {
     /// Whether the walsender is busy decoding (see [`super::liveness::walsender_busy`]): it
     /// then reads no status update, and an unchanged `reply_time` proves nothing.
     pub busy: bool,
+    /// Its `pg_stat_replication.sent_lsn`, as text: a busy walsender whose sent position moves
+    /// decodes record after record, reading status updates between them.
+    pub sent_lsn: Option<String>,
 }
 
 /// The replication slot and the connections to it.

@@ -35,11 +35,17 @@ pub struct TakeoverWatch {
     after: Duration,
     /// (pid, reply_time) last observed, and since when it has been unchanged.
     seen: Option<(i32, Option<String>, Instant)>,
+    /// (pid, sent_lsn) last observed.
+    sent: Option<(i32, Option<String>)>,
 }
 
 impl TakeoverWatch {
     pub fn new(after: Duration) -> Self {
-        Self { after, seen: None }
+        Self {
+            after,
+            seen: None,
+            sent: None,
+        }
     }
 
     /// Records an observation made at `now` and judges the holder.
@@ -52,9 +58,14 @@ impl TakeoverWatch {
             self.seen = None;
             return Verdict::CannotTell;
         }
+        // Busy inside one record (busy, its sent position unmoved since the last look), it
+        // reads no status update: not silent, whatever reply_time says. Busy from record to
+        // record it reads them, and an unchanged reply_time means its client is gone.
+        let sent = Some((h.pid, h.sent_lsn.clone()));
+        let inside_one_record = h.busy && h.sent_lsn.is_some() && self.sent == sent;
+        self.sent = sent;
         let since = match &self.seen {
-            // Busy decoding, it reads no status update: not silent, whatever reply_time says.
-            _ if h.busy => now,
+            _ if inside_one_record => now,
             Some((pid, reply, since)) if *pid == h.pid && *reply == h.reply_time => *since,
             _ => now,
         };
@@ -75,6 +86,7 @@ mod tests {
     fn holder(pid: i32, reply: Option<&str>, visible: bool) -> SlotHolder {
         SlotHolder {
             busy: false,
+            sent_lsn: Some("0/100".into()),
             pid,
             reply_time: reply.map(str::to_owned),
             can_see_replies: visible,
@@ -125,6 +137,31 @@ mod tests {
                 silent: Duration::from_secs(5)
             }
         );
+    }
+
+    #[test]
+    fn a_busy_holder_whose_sent_position_moves_is_judged_by_its_replies() {
+        let t0 = Instant::now();
+        let mut w = TakeoverWatch::new(Duration::from_secs(5));
+        for s in 0..=5u64 {
+            let h = SlotHolder {
+                busy: true,
+                sent_lsn: Some(format!("0/{}", 100 + s)),
+                ..holder(7, Some("2026-01-01 00:00:00+00"), true)
+            };
+            let v = w.observe(Some(&h), t0 + Duration::from_secs(s));
+            if s < 5 {
+                assert_eq!(v, Verdict::Live, "second {s}");
+            } else {
+                assert_eq!(
+                    v,
+                    Verdict::Zombie {
+                        pid: 7,
+                        silent: Duration::from_secs(5)
+                    }
+                );
+            }
+        }
     }
 
     #[test]

@@ -399,6 +399,7 @@ impl SlotPort for SimPort {
                 can_see_replies: visible,
                 // The simulated walsender never decodes for long without answering.
                 busy: false,
+                sent_lsn: None,
             }))
     }
 
