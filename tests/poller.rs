@@ -109,10 +109,12 @@ async fn rows_from_before_the_slot_are_backfilled() {
     let got: HashSet<&String> = pending.iter().collect();
     assert_eq!(got.len(), 500);
     assert!(old.iter().chain(&new).all(|id| got.contains(id)));
-    assert!(
-        relay.metrics.poller_delivered.get() >= 300,
-        "the old rows came from the poller"
-    );
+    // The tasks are in Valkey a moment before the poller has read Valkey's answer and counted
+    // them (seen once in the version matrix on 17).
+    eventually("the old rows came from the poller", || async {
+        (relay.metrics.poller_delivered.get() >= 300).then_some(())
+    })
+    .await;
     relay.stop().await;
 }
 
