@@ -26,10 +26,12 @@
 //! table rewrite (`ALTER TABLE ... TYPE`), however long that takes. Silence cannot tell that
 //! from a dead link, so when the deadline passes the session asks the server, over an SQL
 //! connection, what the walsender holding the slot is doing
-//! ([`super::source::ReplicationSource::walsender_busy`], [`walsender_busy`]): busy decoding,
-//! the link lives and the count starts again; waiting for its client or for WAL (it would have
-//! answered a live client at once), or no answer, the link is dead. A link black-holed in the
-//! kernel is found by `TCP_USER_TIMEOUT` in any case: a status update goes out every second.
+//! ([`super::source::ReplicationSource::walsender_busy`], [`busy_inside_one_record`]): busy
+//! inside one WAL record (as while it replays one commit), the link lives and the count starts
+//! again; reading status updates (waiting, or decoding record after record), it would have
+//! answered a live client, so the link gets one more deadline (an answer may have crossed the
+//! probe) and is then dead, as it is when the server does not answer. A link black-holed in
+//! the kernel is found by `TCP_USER_TIMEOUT` in any case: a status update goes out every second.
 
 use std::time::{Duration, Instant};
 

@@ -198,25 +198,27 @@ impl<'a, S: Sink> Session<'a, S> {
                 _ = sleep_until_opt(deadline), if deadline.is_some() => {
                     let silent = self.liveness.as_ref().and_then(|l| l.dead(Instant::now().into_std()));
                     if let Some(silent) = silent {
-                        let busy = source.walsender_busy().await;
-                        // A walsender that reads (between records, or waiting) may have
-                        // answered while the probe ran: one more deadline before calling the
-                        // link dead; a busy one (inside one record) keeps the link.
-                        if busy == Some(false) && !self.silence_rechecked {
-                            self.silence_rechecked = true;
-                            if let Some(l) = &mut self.liveness {
-                                l.heard(Instant::now().into_std());
+                        // Busy inside one record, it reads no status update: the link lives.
+                        // One that reads (between records, or waiting) may have answered
+                        // while the probe ran: one more deadline before the link is dead.
+                        let keep = match source.walsender_busy().await {
+                            Some(true) => {
+                                tracing::info!(
+                                    silent_secs = silent.as_secs(),
+                                    "replication connection silent, but its walsender is busy \
+                                     decoding (a long transaction the publication filters, or a \
+                                     table rewrite): the link lives"
+                                );
+                                self.cx.metrics.walsender_busy_silences.inc();
+                                true
                             }
-                            continue;
-                        }
-                        if busy == Some(true) {
-                            tracing::info!(
-                                silent_secs = silent.as_secs(),
-                                "replication connection silent, but its walsender is busy decoding \
-                                 (a long transaction the publication filters, or a table rewrite): \
-                                 the link lives"
-                            );
-                            self.cx.metrics.walsender_busy_silences.inc();
+                            Some(false) if !self.silence_rechecked => {
+                                self.silence_rechecked = true;
+                                true
+                            }
+                            _ => false,
+                        };
+                        if keep {
                             if let Some(l) = &mut self.liveness {
                                 l.heard(Instant::now().into_std());
                             }

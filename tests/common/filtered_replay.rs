@@ -40,24 +40,12 @@ pub async fn create_business_table(db: &TestDb) {
 
 /// Commits `rows` business rows and one outbox row in ONE transaction; its event id.
 pub async fn commit_bulk_change(db: &TestDb, rows: i64) -> String {
-    let mut c = db.client().await;
-    let tx = c.transaction().await.unwrap();
-    tx.execute(
-        "INSERT INTO business SELECT g, 'x' FROM generate_series(1, $1::bigint) g",
-        &[&rows],
+    commit_with_outbox_row(
+        db,
+        &format!("INSERT INTO business SELECT g, 'x' FROM generate_series(1, {rows}) g"),
+        "bulk.done",
     )
     .await
-    .unwrap();
-    let row = tx
-        .query_one(
-            "INSERT INTO outbox_events (event_id, event_name, payload) \
-             VALUES (gen_random_uuid(), 'bulk.done', '{}') RETURNING event_id::text",
-            &[],
-        )
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    row.get(0)
 }
 
 /// Fills the business table with `rows` rows (before the relay's slot exists: never decoded).
@@ -75,16 +63,24 @@ pub async fn load_business_rows(db: &TestDb, rows: i64) {
 /// Rewrites the whole business table (`ALTER TABLE ... TYPE`) and commits one outbox row in
 /// the same transaction; its event id.
 pub async fn commit_rewrite(db: &TestDb) -> String {
+    commit_with_outbox_row(
+        db,
+        "ALTER TABLE business ALTER COLUMN id TYPE numeric",
+        "rewrite.done",
+    )
+    .await
+}
+
+/// Runs `change` and inserts one outbox row named `event_name` in ONE transaction; its event id.
+async fn commit_with_outbox_row(db: &TestDb, change: &str, event_name: &str) -> String {
     let mut c = db.client().await;
     let tx = c.transaction().await.unwrap();
-    tx.batch_execute("ALTER TABLE business ALTER COLUMN id TYPE numeric")
-        .await
-        .unwrap();
+    tx.batch_execute(change).await.unwrap();
     let row = tx
         .query_one(
             "INSERT INTO outbox_events (event_id, event_name, payload) \
-             VALUES (gen_random_uuid(), 'rewrite.done', '{}') RETURNING event_id::text",
-            &[],
+             VALUES (gen_random_uuid(), $1, '{}') RETURNING event_id::text",
+            &[&event_name],
         )
         .await
         .unwrap();
