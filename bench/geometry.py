@@ -19,7 +19,7 @@ import psycopg
 
 from backlog import median_run, recvlogical_backlog, stream_backlog
 from harness import SIZED_INSERT, Env, log
-from link import Links, label, parse_delays
+from link import SIDES, Links, label, parse_delays
 from steady import run_steady
 
 
@@ -31,6 +31,10 @@ def add_geometry_args(ap: argparse.ArgumentParser) -> None:
                    help="ms each way; `direct` is no proxy at all, 0 the proxy without delay")
     g.add_argument("--link-events", type=int, help="events per link backlog (100000; quick 10000)")
     g.add_argument("--link-rates", default="1000,5000,10000", help="steady rates over each link")
+    g.add_argument("--link-sides", default="both", choices=SIDES,
+                   help="which links of the link phase get the delay: both (the production "
+                        "geometry), valkey (Postgres direct for the relay and pg_recvlogical: "
+                        "does the relay's pipeline hide the Valkey round trip?) or postgres")
     g.add_argument("--calibrate-round-trips", type=int, default=1000,
                    help="PINGs and SELECT 1s per link in the calibrate phase")
     g.add_argument("--payload-sizes", default="200,2048,16384", help="payload bytes")
@@ -66,7 +70,7 @@ def phase_link(env: Env) -> dict:
     for i in range(a.repeat):
         for d in delays:
             log(f"  round {i + 1}, link {label(d)}")
-            links = Links(env, d, tag=f"-link{i}")
+            links = Links(env, d, tag=f"-link{i}", sides=a.link_sides)
             try:
                 rl = recvlogical_backlog(env, "bench_link_rl", a.link_events, links=links)
                 st = stream_backlog(env, "bench_link_st", a.link_events, links=links)
@@ -83,13 +87,14 @@ def phase_link(env: Env) -> dict:
     steady = []
     for d in delays:
         log(f"  steady load over link {label(d)}: {a.link_rates} /s, {a.repeat} times each")
-        links = Links(env, d, tag="-steady")
+        links = Links(env, d, tag="-steady", sides=a.link_sides)
         try:
             steps = run_steady(env, "bench_link_steady", rates * a.repeat, [], links)
         finally:
             links.stop()
         steady.append({"delay": d, "steps": steps})
-    return {"backlog": backlog, "steady": steady, "events": a.link_events}
+    return {"backlog": backlog, "steady": steady, "events": a.link_events,
+            "sides": a.link_sides}
 
 
 def payload_events(a: argparse.Namespace, size: int) -> int:

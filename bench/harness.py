@@ -96,8 +96,9 @@ class Env:
         """(the postmaster's pid, the Valkey server's pid), both on this machine."""
         with self.admin() as c:
             backend = c.execute("SELECT pg_backend_pid()").fetchone()[0]
-        with open(f"/proc/{backend}/stat") as f:
-            postmaster = int(f.read().rsplit(")", 1)[1].split()[1])
+            # Read while the connection is open: its backend exits once it closes.
+            with open(f"/proc/{backend}/stat") as f:
+                postmaster = int(f.read().rsplit(")", 1)[1].split()[1])
         return postmaster, int(self.redis.info("server")["process_id"])
 
     def cpu_sampler(self) -> "CpuSampler":

@@ -73,15 +73,24 @@ def upstream_of(url: str) -> str:
     return f"{u.hostname}:{u.port}"
 
 
+SIDES = ("both", "valkey", "postgres")
+
+
 class Links:
     """The proxies of one link setting: relay <-> Postgres and relay <-> Valkey (none if direct)."""
 
-    def __init__(self, env: Env, delay: float | None, tag: str = ""):
+    def __init__(self, env: Env, delay: float | None, tag: str = "", sides: str = "both"):
+        """`sides`: which links get the proxy: `both`, `valkey` (Postgres direct, for
+        pg_recvlogical too) or `postgres` (Valkey direct)."""
+        if sides not in SIDES:
+            raise ValueError(f"link sides {sides!r}: one of {', '.join(SIDES)}")
         self.delay = delay
         self.pg = self.valkey = None
         if delay is not None:
-            self.pg = Proxy(env, f"pg{tag}", upstream_of(env.pg_url), delay)
-            self.valkey = Proxy(env, f"valkey{tag}", upstream_of(env.a.redis_url), delay)
+            if sides in ("both", "postgres"):
+                self.pg = Proxy(env, f"pg{tag}", upstream_of(env.pg_url), delay)
+            if sides in ("both", "valkey"):
+                self.valkey = Proxy(env, f"valkey{tag}", upstream_of(env.a.redis_url), delay)
 
     def pg_url(self, url: str) -> str:
         return self.pg.via(url) if self.pg else url
@@ -92,7 +101,7 @@ class Links:
     def add_ms(self) -> float:
         """The one-way delay to Valkey: `pending_since` is stamped by the relay when it sends a
         write, which lands this much later."""
-        return self.delay or 0.0
+        return (self.delay or 0.0) if self.valkey else 0.0
 
     def snapshot(self) -> dict:
         """Each proxy's counters and CPU seconds, as of after this call (the counters' file is

@@ -54,11 +54,22 @@ PAIR_HEAD = ("pg_recvlogical events/s | stream events/s | ratio (median) | ratio
              "| Valkey writes in flight (mean) | proxy lateness p99 µs | proxies' CPU s |")
 
 
+LINK_SIDES = {
+    "both": "pg_recvlogical reaches Postgres through the same proxy as the relay, the relay"
+            " reaches Valkey through a second one",
+    "valkey": "only Valkey is behind the proxy (a control: the relay and pg_recvlogical reach"
+              " Postgres directly, so the ratio shows whether the relay's pipeline hides the"
+              " Valkey round trip)",
+    "postgres": "only Postgres is behind the proxy, for the relay and pg_recvlogical alike"
+                " (a control: the relay reaches Valkey directly)",
+}
+
+
 def _link(a: argparse.Namespace, link: dict) -> list[str]:
+    sides = LINK_SIDES[link.get("sides", "both")]
     lines = [
         f"**Drain over a link**: {link['events']:,} events in {a.per_txn}-row transactions,"
-        " committed before the consumer starts; pg_recvlogical reaches Postgres through the same"
-        " proxy as the relay, the relay reaches Valkey through a second one. Medians of"
+        f" committed before the consumer starts; {sides}. Medians of"
         f" {a.repeat} round(s); the ratio is stream / pg_recvlogical within each round; the"
         " proxy columns are the stream run's (lateness: how long after its due time a chunk"
         " left).", "",

@@ -22,6 +22,7 @@
 //! - [`postgres`]: connections (SQL and replication parameters) from one URL.
 //! - [`migrate`]: the embedded goose migrations.
 //! - [`relay`]: `run` wiring: checks, then the stream until shutdown.
+//! - [`supervise`]: the stream beside the background tasks; one that panics stops the relay.
 //! - [`inspect`]: `peek`, the pending tasks of a queue decoded (an operator tool).
 //! - [`metrics`]: metric names, registered once; [`health`]: what `/readyz` answers from;
 //!   [`http`]: `/metrics`, `/healthz`, `/readyz`; [`monitor`]: periodic gauges, reachability,
@@ -68,6 +69,7 @@ pub mod shared_event_ids;
 pub mod sink;
 pub mod status;
 pub mod store;
+pub mod supervise;
 pub mod task;
 pub mod task_args;
 pub mod timer;

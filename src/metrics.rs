@@ -117,6 +117,9 @@ pub struct Metrics {
     pub walsender_busy_silences: Counter,
     /// Times the publication was found recreated behind the slot (the slot was recreated).
     pub publication_recreated: Counter,
+    /// Times the relay found its publication missing while running and created it again (the
+    /// slot kept, from PostgreSQL 18; before, the slot is recreated too and counted above).
+    pub publication_restored: Counter,
     /// Rows found sharing their event_id with an earlier row (one task for all of them).
     pub shared_event_id: Counter,
     /// Rows the shared-event_id check had no room or no answer to check.
@@ -162,6 +165,7 @@ impl Metrics {
             link_failures: Family::default(),
             walsender_busy_silences: Counter::default(),
             publication_recreated: Counter::default(),
+            publication_restored: Counter::default(),
             shared_event_id: Counter::default(),
             shared_event_id_unchecked: Counter::default(),
             health: crate::health::Health::default(),
@@ -185,6 +189,12 @@ impl Metrics {
             "Times the publication was found dropped and recreated behind the slot (the slot \
              was recreated; the recovery poller delivers the gap)",
             m.publication_recreated.clone(),
+        );
+        registry.register(
+            "outbox_publication_restored",
+            "Times the relay found its publication missing while running and created it again \
+             (rows committed while it was missing are delivered by the recovery poller)",
+            m.publication_restored.clone(),
         );
         registry.register(
             "outbox_events_shared_event_id",

@@ -43,6 +43,19 @@ pub struct PollerSettings {
     pub write_timeout: Duration,
 }
 
+impl PollerSettings {
+    /// The longest a round's transaction may legitimately stay idle between two statements: its
+    /// chunks' Valkey writes, one after another with no statement between them, each bounded by
+    /// the write timeout; plus `link_timeout` for the rest (building tasks, a slow answer). The
+    /// server ends a poll transaction idle longer than this (see [`crate::store::pg::TxLimits`]):
+    /// its client was cut off, and its row locks must go so that another poller can deliver.
+    pub fn idle_in_transaction_bound(&self, link_timeout: Duration) -> Duration {
+        let chunks = self.batch_size.div_ceil(self.chunk_size.max(1));
+        let chunks = u32::try_from(chunks).unwrap_or(u32::MAX);
+        self.write_timeout.saturating_mul(chunks) + link_timeout
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PollerError {
     #[error(transparent)]
@@ -320,5 +333,36 @@ async fn listen_session(pg: &PgTarget, channel: &str, wake: &Arc<Notify>) -> Res
     match result {
         Ok(r) => Ok(r?),
         Err(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_round_may_stay_idle_for_all_its_chunks_writes_and_a_link_timeout() {
+        let settings = PollerSettings {
+            batch_size: 500,
+            chunk_size: 100,
+            poll_interval: Duration::from_secs(1),
+            recovery_grace: None,
+            max_attempts: 25,
+            attempt_backoff: Duration::from_secs(1),
+            write_timeout: Duration::from_secs(15),
+        };
+        // The defaults: five chunks of 3 x 5 s, and 30 s.
+        assert_eq!(
+            settings.idle_in_transaction_bound(Duration::from_secs(30)),
+            Duration::from_secs(105)
+        );
+        let partial = PollerSettings {
+            batch_size: 101,
+            ..settings
+        };
+        assert_eq!(
+            partial.idle_in_transaction_bound(Duration::from_secs(3)),
+            Duration::from_secs(33)
+        );
     }
 }

@@ -107,13 +107,21 @@ impl PgTarget {
         {
             tls.mode = SslMode::Disable;
         }
+        // The URL's own `options` (an operator's `-c statement_timeout=...`) are kept; the
+        // relay's come after them, so the formats it parses win (found by review: they were
+        // replaced). The replication connection carries the relay's only: a walsender is no
+        // place for an operator's statement or lock timeouts.
+        let options = match config.get_options() {
+            Some(theirs) if !theirs.trim().is_empty() => format!("{theirs} {SESSION_OPTIONS}"),
+            _ => SESSION_OPTIONS.to_owned(),
+        };
         config
             .ssl_mode(match tls.mode {
                 SslMode::Disable => tokio_postgres::config::SslMode::Disable,
                 SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
                 _ => tokio_postgres::config::SslMode::Require,
             })
-            .options(SESSION_OPTIONS)
+            .options(&options)
             .application_name(APPLICATION_NAME)
             .connect_timeout(Duration::from_secs(10));
         set_link_timeout(&mut config, DEFAULT_LINK_TIMEOUT);
@@ -667,6 +675,17 @@ mod tests {
             .to_string();
         assert!(err.contains("sslrootcert /nope.pem"), "{err}");
         assert!(PgTarget::parse("postgres://u@h/db?sslmode=allow").is_err());
+    }
+
+    #[test]
+    fn the_urls_own_options_are_kept_before_the_relays() {
+        let t = PgTarget::parse("postgres://u@h/db?options=-c%20statement_timeout%3D1000").unwrap();
+        assert_eq!(
+            t.single_host(0).get_options(),
+            Some(format!("-c statement_timeout=1000 {SESSION_OPTIONS}").as_str())
+        );
+        let r = t.replication("s", "p");
+        assert_eq!(r.options.as_deref(), Some(SESSION_OPTIONS));
     }
 
     #[test]

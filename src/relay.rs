@@ -3,7 +3,7 @@
 //!
 //! Takes its configuration and its shutdown token as arguments, so tests drive it in-process.
 
-use crate::config::{Mode, RunArgs};
+use crate::config::{Mode, OnSlotLost, RunArgs};
 use crate::error_chain::error_chain;
 use crate::marker::Marker;
 use crate::metrics::Metrics;
@@ -18,8 +18,9 @@ use crate::replication::stream::{Stream, StreamError, StreamSettings};
 use crate::shared_event_ids::{SharedIdsHandle, SharedIdsWatch};
 use crate::sink::valkey::ValkeySink;
 use crate::sink::SinkError;
-use crate::store::pg::PgOutbox;
+use crate::store::pg::{PgOutbox, TxLimits};
 use crate::store::Store;
+use crate::supervise::{supervise, Supervised};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -50,6 +51,13 @@ pub enum RelayError {
         role: String,
         node: String,
     },
+    #[error(
+        "the Valkey user at {target} may not read the stream's order fence ({detail}): the \
+         enqueue script runs HMGET on asynq:{{<queue>}}:outbox_relay_order; add +hmget to the \
+         user's ACL, and that key to its key patterns if they are narrower than ~asynq:* \
+         (docs/configuration.md, The Valkey user)"
+    )]
+    ValkeyAclWithoutFence { target: String, detail: String },
     #[error(transparent)]
     Stream(#[from] StreamError),
     #[error(transparent)]
@@ -91,18 +99,30 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName)
     }
     // Valkey before the slot: a first run that cannot write tasks must not leave behind a new
     // slot that pins WAL until someone drops it.
-    let sink = ValkeySink::connect(valkey_target)
-        .await
-        .map_err(|source| RelayError::Valkey {
-            target: args.valkey.display(),
-            source,
-        })?;
+    let sink = connect_sink(args, valkey_target, None).await?;
     refuse_replica(&sink, &args.valkey.display()).await?;
     warn_on_eviction(&sink).await;
     crate::valkey_durability::warn_if_volatile(&sink.connection()).await;
     if args.mode == Mode::Stream {
         setup::check_wal_level(&client).await?;
         setup::check_replication_privilege(&client).await?;
+        // A relay that must never skip events itself does not create a dropped publication
+        // again behind its slot (found by review; the watch applies the same rule while it runs).
+        // With a standby's slot (OUTBOX_REPLICATION_URL) only the running watch applies it.
+        if args.on_slot_lost == OnSlotLost::Stop
+            && args.replication_url.is_none()
+            && crate::replication::publication::current(&client, &args.db.publication)
+                .await?
+                .oid
+                .is_none()
+            && setup::slot_info(&client, &args.slot).await?.is_some()
+        {
+            return Err(SetupError::PublicationDroppedBehindSlot {
+                publication: args.db.publication.clone(),
+                slot: args.slot.clone(),
+            }
+            .into());
+        }
         // The publication first: a slot created before it may miss the table's first changes.
         setup::ensure_publication(&client, &args.db.publication, &table).await?;
         let slot = match &args.replication_url {
@@ -117,6 +137,70 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName)
         );
     }
     Ok((pg, sink, table))
+}
+
+/// A sink on a connection of its own; with `stream` (its field in the order keys), the
+/// stream's (see [`ValkeySink::connect_ordered`]).
+async fn connect_sink(
+    args: &RunArgs,
+    target: crate::valkey::ValkeyTarget,
+    stream: Option<String>,
+) -> Result<ValkeySink, RelayError> {
+    match stream {
+        Some(stream) => ValkeySink::connect_ordered(target, stream).await,
+        None => ValkeySink::connect(target).await,
+    }
+    .map_err(|source| RelayError::Valkey {
+        target: args.valkey.display(),
+        source,
+    })
+}
+
+/// The stream's name in the queues' order keys (`src/sink/order_chain.rs`): the Postgres
+/// system (`pg_control_system()`, the same on a primary and its standbys), the database and the
+/// slot, so that relays of other outboxes writing to the same queues keep chains apart. Without
+/// the system's identifier (a server that refuses `pg_control_system()`) it is `-`: relays of
+/// same-named databases and slots on two systems, writing to one queue, then fence each
+/// other's writes now and then (retried; order holds), nothing worse.
+async fn stream_identity(pg: &PgTarget, slot: &str) -> Result<String, RelayError> {
+    let client = pg.connect().await?;
+    let database: String = client
+        .query_one("SELECT current_database()", &[])
+        .await
+        .map_err(PgError::from)?
+        .get(0);
+    let system = match client
+        .query_one(
+            "SELECT system_identifier::text FROM pg_control_system()",
+            &[],
+        )
+        .await
+    {
+        Ok(row) => row.get::<_, String>(0),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the Postgres system identifier for the \
+                stream's order fence; using database and slot only");
+            "-".to_owned()
+        }
+    };
+    Ok(format!("{system}/{database}/{slot}"))
+}
+
+/// Refuses to stream as a Valkey user whose ACL keeps the enqueue script from reading the
+/// order fence (no `HMGET`, or key patterns without `asynq:{<queue>}:outbox_relay_order`, both
+/// fine before the fence): every script call after a chain's first would be refused, and its
+/// rows would wait for the recovery poller (found by review).
+async fn refuse_fence_without_access(
+    sink: &ValkeySink,
+    queue: &str,
+    args: &RunArgs,
+) -> Result<(), RelayError> {
+    sink.check_fence(queue)
+        .await
+        .map_err(|detail| RelayError::ValkeyAclWithoutFence {
+            target: args.valkey.display(),
+            detail,
+        })
 }
 
 /// Refuses a Valkey that answers `ROLE` as a replica: it accepts connections, PING and script
@@ -256,9 +340,25 @@ pub async fn run(
     let tasks = Arc::new(args.task_settings());
     let store = Store::new(table.clone()).deleting_delivered(args.delete_delivered);
     let pool = pg.pool(args.pollers + POOL_EXTRA);
+    let poller_settings = PollerSettings {
+        batch_size: args.batch_size,
+        chunk_size: args.batch_size.min(POLLER_CHUNK),
+        poll_interval: args.poll_interval,
+        recovery_grace: (args.mode == Mode::Stream).then_some(args.recovery_grace),
+        max_attempts: args.max_attempts,
+        attempt_backoff: args.attempt_backoff,
+        write_timeout: args.valkey.valkey_timeout * WRITE_TIMEOUT_FACTOR,
+    };
     let outbox = PgOutbox {
         pool: pool.clone(),
         store: store.clone(),
+        // A poll transaction cut off from its client is ended by the server, which releases its
+        // row locks: once idle longer than any wait of a round, or once what it sends stays
+        // unacknowledged for the link timeout (as the relay's own sockets do).
+        tx_limits: Some(TxLimits {
+            idle: poller_settings.idle_in_transaction_bound(args.link_timeout),
+            unacknowledged: args.link_timeout,
+        }),
     };
     // Background work stops on its own token, after the stream has finished its shutdown.
     let background = CancellationToken::new();
@@ -285,19 +385,10 @@ pub async fn run(
                 background.clone(),
             ));
         }
-        let settings = PollerSettings {
-            batch_size: args.batch_size,
-            chunk_size: args.batch_size.min(POLLER_CHUNK),
-            poll_interval: args.poll_interval,
-            recovery_grace: (args.mode == Mode::Stream).then_some(args.recovery_grace),
-            max_attempts: args.max_attempts,
-            attempt_backoff: args.attempt_backoff,
-            write_timeout: args.valkey.valkey_timeout * WRITE_TIMEOUT_FACTOR,
-        };
         for _ in 0..args.pollers {
             let poller = Poller {
                 table: outbox.clone(),
-                settings: settings.clone(),
+                settings: poller_settings.clone(),
                 tasks: tasks.clone(),
                 sink: sink.clone(),
                 metrics: metrics.clone(),
@@ -363,6 +454,19 @@ pub async fn run(
                 Ok(())
             }
             Mode::Stream => {
+                // The stream writes on a Valkey connection of its own. On a shared one,
+                // another user that gives it up (the monitor's PING timing out, a poller
+                // resetting it after its own write timed out) sent the stream's next write out
+                // on a new connection while its earlier write still travelled on the old one,
+                // and the later batch could land first: out of commit order, with nothing
+                // failing on the stream's side (found by review; tests/links.rs
+                // `a_link_given_up_by_the_monitor_keeps_the_streams_order`). On its own
+                // connection only the stream's own failures replace it, and it then writes
+                // again, in order, whatever was in flight.
+                let stream_id = stream_identity(&pg, &args.slot).await?;
+                let stream_sink =
+                    connect_sink(args, args.valkey.target()?, Some(stream_id)).await?;
+                refuse_fence_without_access(&stream_sink, &args.queue, args).await?;
                 // The slot's server: a standby with OUTBOX_REPLICATION_URL, else the primary.
                 let (pg, primary) = match &args.replication_url {
                     Some(url) => (standby::target(url)?, Some(pg)),
@@ -388,9 +492,10 @@ pub async fn run(
                         on_slot_lost: args.on_slot_lost,
                         takeover_after: args.takeover_after,
                         link_timeout: Some(args.link_timeout),
+                        publication_check: Some(args.health_interval),
                     },
                     tasks,
-                    sink,
+                    sink: stream_sink,
                     metrics: metrics.clone(),
                     marker,
                     shared_ids,
@@ -400,31 +505,14 @@ pub async fn run(
             }
         }
     };
-    tokio::pin!(work);
-    let mut panicked = None;
-    let result = loop {
-        tokio::select! {
-            result = &mut work => break result,
-            Some(joined) = set.join_next(), if panicked.is_none() => {
-                if let Err(e) = joined {
-                    if e.is_panic() {
-                        let what = panic_text(e.into_panic());
-                        tracing::error!(panic = %what, "a background task panicked; stopping the relay");
-                        panicked = Some(what);
-                        stop.cancel();
-                    }
-                }
-            }
-        }
-    };
-    let result = match panicked {
-        Some(what) => {
-            if let Err(e) = &result {
+    let result = match supervise(work, &mut set, &stop).await {
+        Supervised::Ended(result) => result,
+        Supervised::Panicked { panic, work } => {
+            if let Err(e) = &work {
                 tracing::warn!(error = %crate::error_chain::error_chain(e), "the stream also ended with an error");
             }
-            Err(RelayError::BackgroundPanicked(what))
+            Err(RelayError::BackgroundPanicked(panic))
         }
-        None => result,
     };
     metrics.health.set_running(false, false);
     background.cancel();
@@ -441,15 +529,6 @@ pub async fn run(
     }
     tracing::info!("relay stopped");
     result
-}
-
-/// A panic's message, when it carried one.
-fn panic_text(panic: Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "no message".to_owned())
 }
 
 /// Every `interval` until `shutdown`, one line at info on how delivery went since the last one

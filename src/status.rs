@@ -37,9 +37,10 @@ pub struct SlotStatus {
 pub struct PublicationStatus {
     pub name: String,
     pub exists: bool,
-    /// Its oid: a different one than before means it was dropped and created again (a slot
-    /// older than that cannot decode past the drop; the relay then recreates the slot and
-    /// counts it in `outbox_publication_recreated_total`).
+    /// Its oid: a different one than before means it was dropped and created again (by someone,
+    /// or by the relay, counted in `outbox_publication_restored_total`). Before PostgreSQL 18 a
+    /// slot older than that cannot decode past the drop, and the relay recreates the slot
+    /// (`outbox_publication_recreated_total`); from 18 the slot is kept.
     pub oid: Option<u32>,
     pub tables: Vec<String>,
     pub operations: Vec<String>,

@@ -14,33 +14,7 @@ async fn scram_role_and_a_valkey_acl_user_limited_to_the_relays_commands() {
     let db = TestDb::on(&pg.url, "scram", true).await;
     let role = db.least_privilege_role_with_password("scram-pw").await;
     let redis = Redis::start();
-    let mut admin = redis.conn().await;
-    let _: () = redis::cmd("ACL")
-        .arg("SETUSER")
-        .arg("relay")
-        .arg("on")
-        .arg(">acl-pw")
-        .arg("resetkeys")
-        .arg("~asynq:*")
-        .arg("resetchannels")
-        .arg("-@all")
-        // The sink (and the commands its enqueue script runs), the monitor, status, peek.
-        .arg("+evalsha")
-        .arg("+script|load")
-        .arg("+exists")
-        .arg("+type")
-        .arg("+hset")
-        .arg("+lpush")
-        .arg("+sadd")
-        .arg("+ping")
-        .arg("+smembers")
-        .arg("+llen")
-        .arg("+lrange")
-        .arg("+hmget")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    let acl_url = redis.url.replace("redis://", "redis://relay:acl-pw@");
+    let acl_url = acl_user(&redis, RELAY_COMMANDS).await;
     let relay =
         Relay::start_streaming(run_args(&role, &acl_url, &["--recovery-grace", "1s"])).await;
     let mut c = db.client().await;
@@ -81,4 +55,92 @@ async fn scram_role_and_a_valkey_acl_user_limited_to_the_relays_commands() {
     };
     let msg = Relay::failure(run_args(&wrong, &acl_url, &[])).await;
     assert!(msg.contains("password authentication failed"), "{msg}");
+}
+
+/// The commands docs/configuration.md gives the relay's Valkey user: the sink (and the commands
+/// its enqueue script runs, HMGET for the order fence), the monitor, status, peek.
+const RELAY_COMMANDS: &[&str] = &[
+    "+evalsha",
+    "+script|load",
+    "+exists",
+    "+type",
+    "+hset",
+    "+lpush",
+    "+sadd",
+    "+ping",
+    "+smembers",
+    "+llen",
+    "+lrange",
+    "+hmget",
+];
+
+/// Creates the ACL user `relay` on the keys `asynq:*` allowed `commands` only; its URL.
+async fn acl_user(redis: &Redis, commands: &[&str]) -> String {
+    acl_user_on(redis, &["~asynq:*"], commands).await
+}
+
+/// Creates the ACL user `relay` on the key patterns `keys` allowed `commands` only; its URL.
+async fn acl_user_on(redis: &Redis, keys: &[&str], commands: &[&str]) -> String {
+    let mut admin = redis.conn().await;
+    let mut cmd = redis::cmd("ACL");
+    cmd.arg("SETUSER")
+        .arg("relay")
+        .arg("on")
+        .arg(">acl-pw")
+        .arg("resetkeys");
+    for k in keys {
+        cmd.arg(*k);
+    }
+    cmd.arg("resetchannels").arg("-@all");
+    for c in commands {
+        cmd.arg(*c);
+    }
+    let _: () = cmd.query_async(&mut admin).await.unwrap();
+    redis.url.replace("redis://", "redis://relay:acl-pw@")
+}
+
+/// A Valkey user set up before the order fence needed HMGET (it was listed for status and peek
+/// only) would have every stream script call after a chain's first refused with NOPERM, its
+/// rows left to the recovery poller (found by review). `run` refuses to stream instead, saying
+/// what to add.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_valkey_user_without_hmget_is_refused_before_streaming() {
+    let db = TestDb::new("acl_hmget").await;
+    let redis = Redis::start();
+    let without: Vec<&str> = RELAY_COMMANDS
+        .iter()
+        .copied()
+        .filter(|c| *c != "+hmget")
+        .collect();
+    let acl_url = acl_user(&redis, &without).await;
+    let msg = tokio::time::timeout(PATIENCE, Relay::failure(run_args(&db, &acl_url, &[])))
+        .await
+        .expect("the relay went on running as a user without HMGET");
+    assert!(msg.contains("add +hmget"), "{msg}");
+}
+
+/// Key patterns written for asynq's keys before the order fence (the task hashes, the pending
+/// lists, the queue set): the stream's script declares `asynq:{<queue>}:outbox_relay_order`
+/// too, so every call would be refused and every row left to the poller (found by review).
+/// `run` refuses to stream, naming the key; poll mode, whose calls do not declare that key,
+/// delivers as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_patterns_without_the_order_key_refuse_the_stream_and_not_the_poller() {
+    let db = TestDb::new("acl_keys").await;
+    let redis = Redis::start();
+    let narrow = ["~asynq:{*}:t:*", "~asynq:{*}:pending", "~asynq:queues"];
+    let acl_url = acl_user_on(&redis, &narrow, RELAY_COMMANDS).await;
+    let msg = tokio::time::timeout(PATIENCE, Relay::failure(run_args(&db, &acl_url, &[])))
+        .await
+        .expect("the relay streamed as a user that may not read the order key");
+    assert!(msg.contains("outbox_relay_order"), "{msg}");
+    let relay = Relay::start(run_args(
+        &db,
+        &acl_url,
+        &["--mode", "poll", "--poll-interval", "200ms"],
+    ));
+    let mut c = db.client().await;
+    let ids = insert_events(&mut c, "poll.narrow", 10, 10).await;
+    assert_eq!(wait_pending(&redis, "default", 10).await, ids);
+    relay.stop().await;
 }

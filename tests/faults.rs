@@ -128,22 +128,10 @@ async fn valkey_at_maxmemory_applies_backpressure_then_delivers() {
     let redis = Redis::start();
     let relay = Relay::start_streaming(run_args(&db, &redis.url, &STREAM_ONLY)).await;
     let mut conn = redis.conn().await;
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory-policy")
-        .arg("noeviction")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    config_set(&mut conn, "maxmemory-policy", "noeviction").await;
     let load = Load::start(&db.url, LoadSpec::default());
     let delivered = wait_for_more_tasks(&redis, "default", 0, PROGRESS).await;
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg(1)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    config_set(&mut conn, "maxmemory", 1).await;
     eventually("writes refused", || async {
         (relay.metrics.write_errors.get() > 0).then_some(())
     })
@@ -155,19 +143,107 @@ async fn valkey_at_maxmemory_applies_backpressure_then_delivers() {
         relay.metrics.write_errors.get() > refused,
         "still refused, still retried"
     );
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg(0)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    config_set(&mut conn, "maxmemory", 0).await;
     wait_for_more_tasks(&redis, "default", delivered, PROGRESS).await;
     let result = load.stop().await;
     let replays = relay.metrics.duplicates.get();
     let v = verify("valkey_maxmemory", &redis, &result, 1, replays).await;
     assert!(v.ok_in_order(), "{v}");
     relay.stop().await;
+}
+
+/// Valkey refuses one script call with a reply the relay retries (OOM here; BUSY, MISCONF and
+/// TRYAGAIN alike) and accepts the calls sent right after it: later script calls of the same
+/// batch (each carries 200 tasks) and later batches in flight. The order fence
+/// (src/sink/order_chain.rs) must refuse those too (`FENCED`), so that the re-sent calls land
+/// in commit order. `maxmemory` flaps between 1 and 0 every 0.2 to 3 ms (as `used_memory` does
+/// around `maxmemory` while asynq workers free tasks) under `noeviction`. Knobs:
+/// `GAP_INFLIGHT` (default 4) and `GAP_BATCH` (default 500). Found by review (2026-12-03):
+/// without the fence (the stream's sink made with `ValkeySink::connect`) 46 to 2,401 tasks were
+/// out of order per run at the defaults, 800 with one batch in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_refused_for_memory_is_not_overtaken_by_later_ones() {
+    let db = TestDb::new("g_oomflap").await;
+    let redis = Redis::start();
+    let inflight = std::env::var("GAP_INFLIGHT").unwrap_or_else(|_| "4".into());
+    let batch = std::env::var("GAP_BATCH").unwrap_or_else(|_| "500".into());
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &[
+            "--recovery-grace",
+            "1h",
+            "--max-inflight-batches",
+            &inflight,
+            "--batch-size",
+            &batch,
+        ],
+    ))
+    .await;
+    let mut conn = redis.conn().await;
+    config_set(&mut conn, "maxmemory-policy", "noeviction").await;
+    let load = Load::start(
+        &db.url,
+        LoadSpec {
+            txn_sizes: vec![1, 1, 2, 5],
+            rollback_one_in: 1000,
+            pause: Duration::from_micros(200),
+        },
+    );
+    let delivered = wait_for_more_tasks(&redis, "default", 0, 100).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flapper = {
+        let stop = stop.clone();
+        let mut conn = redis.conn().await;
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                config_set(&mut conn, "maxmemory", n % 2).await;
+                n += 1;
+                let us = rand::rng().random_range(200..3000);
+                tokio::time::sleep(Duration::from_micros(us)).await;
+            }
+            config_set(&mut conn, "maxmemory", 0).await;
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    flapper.await.unwrap();
+    wait_for_more_tasks(&redis, "default", delivered, 100).await;
+    let result = load.stop().await;
+    let replays = relay.metrics.duplicates.get();
+    let errors = refusals_by_reply(&redis).await;
+    println!(
+        "OOM-FLAPPING write_errors={} refusals={errors:?}",
+        relay.metrics.write_errors.get()
+    );
+    let v = verify("oom_flapping", &redis, &result, 1, replays).await;
+    relay.stop().await;
+    assert!(v.ok_in_order(), "{v}");
+    assert!(
+        errors.iter().any(|(reply, n)| reply == "OOM" && *n > 0),
+        "the scenario did not happen: no write was refused for memory"
+    );
+    assert!(
+        errors.iter().any(|(reply, n)| reply == "FENCED" && *n > 0),
+        "the fence never held back a call sent after a refused one"
+    );
+}
+
+/// Valkey's count of error replies by their first word (`INFO errorstats`).
+async fn refusals_by_reply(redis: &Redis) -> Vec<(String, u64)> {
+    let info: String = redis::cmd("INFO")
+        .arg("errorstats")
+        .query_async(&mut redis.conn().await)
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|l| l.strip_prefix("errorstat_"))
+        .filter_map(|l| {
+            let (reply, rest) = l.split_once(":count=")?;
+            Some((reply.to_owned(), rest.parse().ok()?))
+        })
+        .collect()
 }
 
 async fn postgres_restart(mode: &str) {
@@ -447,4 +523,19 @@ async fn bad_rows_become_dead_letters_while_everything_else_flows() {
     let v = verify("bad_rows", &redis, &result, 3, replays).await;
     assert!(v.ok(), "{v}");
     relay.stop().await;
+}
+
+/// `CONFIG SET name value` on the test's Valkey.
+async fn config_set(
+    conn: &mut redis::aio::MultiplexedConnection,
+    name: &str,
+    value: impl redis::ToRedisArgs,
+) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg(name)
+        .arg(value)
+        .query_async(conn)
+        .await
+        .unwrap();
 }

@@ -98,6 +98,29 @@ async fn the_proxy_passes_delays_black_holes_and_resets() {
     assert_eq!(&buf, b"slow!");
     // Both directions are delayed: the echo needs at least twice the delay.
     assert!(sent.elapsed() >= Duration::from_millis(400));
+    // A delay is latency, not a queue of delays: chunks sent one after another are in flight
+    // together, and each is held about the delay (a message read in several chunks is late
+    // once, not once per chunk). Held one after another, the second chunk would wait about
+    // twice the delay less the 50 ms between them.
+    assert_eq!(proxy.most_chunks_held(), 1, "one chunk at a time so far");
+    let delay = Duration::from_millis(1000);
+    proxy.set(Fault::Delay(delay));
+    for part in [b"one..", b"two..", b"three", b"four."] {
+        conn.write_all(part).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut four = [0u8; 20];
+    conn.read_exact(&mut four).await.unwrap();
+    assert_eq!(&four, b"one..two..threefour.");
+    assert!(
+        proxy.most_chunks_held() >= 2,
+        "chunks sent 50 ms apart under a 1 s delay were never in flight together"
+    );
+    assert!(
+        proxy.longest_hold() < delay * 3 / 2,
+        "a chunk was held {:?} under a {delay:?} delay: chunks waited for each other",
+        proxy.longest_hold()
+    );
 
     proxy.set(Fault::BlackHole);
     conn.write_all(b"held!").await.unwrap();
@@ -322,7 +345,12 @@ async fn a_valkey_connection_whose_writes_time_out_is_replaced() {
     let db = TestDb::new("l_vreset").await;
     let redis = Redis::start();
     let proxy = Proxy::in_front_of(&redis.url).await;
-    let relay = Relay::start_streaming(run_args(&db, &proxy.url_through(&redis.url), &FLAGS)).await;
+    // The stream alone delivers here: with the recovery poller's 2 s grace, the poller's write
+    // on the other (shared) connection could deliver the rows first, before the stream's write
+    // had timed out (seen under `stress --cpu 2` once the stream had a connection of its own).
+    let mut flags = FLAGS.to_vec();
+    flags[1] = "1h"; // --recovery-grace
+    let relay = Relay::start_streaming(run_args(&db, &proxy.url_through(&redis.url), &flags)).await;
     let mut c = db.client().await;
     let first = insert_events(&mut c, "before.stall", 5, 5).await;
     wait_pending(&redis, "default", first.len()).await;
@@ -352,15 +380,19 @@ async fn a_valkey_connection_whose_writes_time_out_is_replaced() {
     relay.stop().await;
 }
 
+/// The silence a filtered replay's test needs: longer than the `--link-timeout 3s`, with room.
+const REPLAY_SILENCE: Duration = Duration::from_millis(3500);
+
 /// Checks what a filtered replay's test saw: the silence happened (the holder's `reply_time`
-/// stood still longer than the `--link-timeout 3s`, with room), the link was kept, once found
-/// silent while its walsender was busy, and the event came through the stream.
-fn assert_kept_through_silence(relay: &Relay, watch: &filtered_replay::ReplayWatch) {
+/// stood still for [`REPLAY_SILENCE`]), the link was kept, once found silent while its
+/// walsender was busy, and the events came through the stream.
+fn assert_kept_through_silence(relay: &Relay, replays: &filtered_replay::Replays) {
     assert!(
-        watch.longest_reply_silence > Duration::from_millis(3500),
-        "the scenario did not happen: the walsender read replies at least every {:?} (raise \
-         OUTBOX_TEST_REPLAY_ROWS)",
-        watch.longest_reply_silence
+        replays.longest_reply_silence() > REPLAY_SILENCE,
+        "the scenario did not happen: the walsender read replies at least every {:?}, even \
+         after {} tries (raise OUTBOX_TEST_REPLAY_ROWS)",
+        replays.longest_reply_silence(),
+        filtered_replay::TRIES
     );
     assert_eq!(
         link_failures(relay, "replication"),
@@ -368,20 +400,16 @@ fn assert_kept_through_silence(relay: &Relay, watch: &filtered_replay::ReplayWat
         "the live replication link was taken for dead"
     );
     assert_eq!(relay.postgres_reconnects(), 0);
-    assert_eq!(
-        watch.holders.len(),
-        1,
-        "the slot changed hands: {:?}",
-        watch.holders
-    );
+    let holders = replays.holders();
+    assert_eq!(holders.len(), 1, "the slot changed hands: {holders:?}");
     assert!(
         relay.metrics.walsender_busy_silences.get() >= 1,
         "the deadline never passed during the silence"
     );
     assert_eq!(
         relay.metrics.published.get(),
-        1,
-        "the event came through the stream"
+        replays.events(),
+        "the events came through the stream"
     );
 }
 
@@ -404,14 +432,16 @@ async fn a_long_filtered_replay_is_not_taken_for_a_dead_link() {
         &["--recovery-grace", "1h", "--link-timeout", "3s"],
     ))
     .await;
-    let rows = filtered_replay::replay_rows();
-    let id = filtered_replay::commit_bulk_change(&db, rows).await;
-    let watch = filtered_replay::watch_replay(&db, &redis, &id).await;
+    let replays = filtered_replay::replay_until_silent(&db, &redis, REPLAY_SILENCE, async |n| {
+        let rows = filtered_replay::replay_rows() << n;
+        (rows, filtered_replay::commit_bulk_change(&db, rows).await)
+    })
+    .await;
     println!(
-        "LINK-TIMES filtered_replay rows={rows} {watch:?} busy_silences={}",
+        "LINK-TIMES filtered_replay {replays:?} busy_silences={}",
         relay.metrics.walsender_busy_silences.get()
     );
-    assert_kept_through_silence(&relay, &watch);
+    assert_kept_through_silence(&relay, &replays);
     relay.stop().await;
 }
 
@@ -425,7 +455,9 @@ async fn a_long_table_rewrite_is_not_taken_for_a_dead_link() {
     let db = TestDb::new("l_rewrite").await;
     filtered_replay::set_wal_sender_timeout(&db, "12s").await;
     filtered_replay::create_business_table(&db).await;
-    let rows = filtered_replay::replay_rows();
+    // A rewrite replays faster per row than a filtered transaction: on a quiet machine 2.5 M
+    // rows kept the walsender silent only 3.3 s, under the scenario's 3.5 s (2026-12-02).
+    let rows = filtered_replay::replay_rows() * 8 / 5;
     filtered_replay::load_business_rows(&db, rows).await;
     let redis = Redis::start();
     let relay = Relay::start_streaming(run_args(
@@ -434,13 +466,20 @@ async fn a_long_table_rewrite_is_not_taken_for_a_dead_link() {
         &["--recovery-grace", "1h", "--link-timeout", "3s"],
     ))
     .await;
-    let id = filtered_replay::commit_rewrite(&db).await;
-    let watch = filtered_replay::watch_replay(&db, &redis, &id).await;
+    // A later try doubles the table (the rows it adds are decoded and filtered) and rewrites
+    // it again.
+    let replays = filtered_replay::replay_until_silent(&db, &redis, REPLAY_SILENCE, async |n| {
+        if n > 0 {
+            filtered_replay::load_business_rows(&db, rows << (n - 1)).await;
+        }
+        (rows << n, filtered_replay::commit_rewrite(&db, n).await)
+    })
+    .await;
     println!(
-        "LINK-TIMES rewrite_replay rows={rows} {watch:?} busy_silences={}",
+        "LINK-TIMES rewrite_replay {replays:?} busy_silences={}",
         relay.metrics.walsender_busy_silences.get()
     );
-    assert_kept_through_silence(&relay, &watch);
+    assert_kept_through_silence(&relay, &replays);
     relay.stop().await;
 }
 
@@ -516,7 +555,10 @@ async fn a_kernel_black_hole_under_a_busy_walsender_is_found_by_tcp_user_timeout
         .await
         .unwrap()
         .get(0);
-    let rows = filtered_replay::replay_rows();
+    // Twice the first try of the other replay tests: the replay must outlast TCP_USER_TIMEOUT
+    // (3 s, with a status update every second), and on a quiet machine 2.5 M rows kept the
+    // walsender silent only 2.4 s after the commit (2026-12-03).
+    let rows = filtered_replay::replay_rows() * 2;
     let id = filtered_replay::commit_bulk_change(&db, rows).await;
     let reconnects = relay.postgres_reconnects();
     let hole = KernelBlackHole::cut(port as u16);
@@ -593,4 +635,81 @@ async fn a_black_hole_under_filtered_load_is_not_excused_by_a_busy_walsender() {
     let pending = wait_pending(&redis, "default", 3).await;
     assert!(ids.iter().all(|id| pending.contains(id)));
     relay.stop().await;
+}
+
+/// Found by review: the stream, the pollers and the monitor shared ONE Valkey link
+/// (`src/valkey/link.rs`). When another user of it (here the monitor's PING timing out; the
+/// poller's `reset()` after a write timeout did the same) gave the connection up, the stream's
+/// NEXT write went out on a new connection while its earlier write was still travelling on the
+/// old one. Nothing failed on the stream's side (both writes confirmed, in order, the
+/// acknowledgement right), but the later batch landed first: the pending list out of commit
+/// order (2 runs of 3). The stream now writes on a connection of its own: commit A lands
+/// before the later commit B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_given_up_by_the_monitor_keeps_the_streams_order() {
+    let db = TestDb::new("r_reorder").await;
+    let redis = Redis::start();
+    let proxy = Proxy::in_front_of(&redis.url).await;
+    let flags = [
+        "--recovery-grace",
+        "1h",
+        "--health-interval",
+        "200ms",
+        "--valkey-timeout",
+        "3s",
+        "--batch-size",
+        "3",
+        "--max-inflight-batches",
+        "4",
+    ];
+    let relay = Relay::start_streaming(run_args(&db, &proxy.url_through(&redis.url), &flags)).await;
+    let mut c = db.client().await;
+    let warm = insert_events(&mut c, "warm", 3, 3).await;
+    wait_pending(&redis, "default", warm.len()).await;
+
+    // The flow in use stalls (a retransmission backoff, a congested path); new flows pass.
+    proxy.stall_open_connections();
+    let failures = link_failures(&relay, "valkey");
+    let write_errors = relay.metrics.write_errors.get();
+    // The monitor's next PING (every 200 ms) goes out on the stalled connection; its reply
+    // timeout (OUTBOX_VALKEY_TIMEOUT, 3 s) starts. Commit A comes after it: written at once
+    // (nothing else in flight), on the same stalled connection, so its own 3 s run later.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let a = insert_events(&mut c, "first", 1, 1).await;
+    // The PING times out and the link forgets the connection (A's write still waits on it).
+    until("the monitor's PING timed out", async || {
+        link_failures(&relay, "valkey") > failures
+    })
+    .await;
+    // Commit B (later): a full batch, dispatched while A is in flight: on a NEW connection.
+    let b = insert_events(&mut c, "second", 3, 3).await;
+    let mut conn = redis.conn().await;
+    let landed_first = tokio::time::timeout(Duration::from_millis(1500), async {
+        loop {
+            let pending = pending_ids(&mut conn, "default").await;
+            if b.iter().all(|id| pending.contains(id)) {
+                return !pending.contains(&a[0]);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // The old flow passes again before A's write times out: A lands, after B.
+    proxy.set(Fault::Pass);
+    wait_pending(&redis, "default", warm.len() + a.len() + b.len()).await;
+    let pending = pending_ids(&mut conn, "default").await;
+    // pending_ids lists the oldest first. In commit order A comes before every row of B.
+    let pos = |id: &String| pending.iter().position(|p| p == id).unwrap();
+    println!(
+        "REORDER b_landed_before_a={landed_first:?} pending(oldest first)={pending:?} \
+         a={a:?} b={b:?} stream_write_errors_during={}",
+        relay.metrics.write_errors.get() - write_errors
+    );
+    relay.stop().await;
+    assert!(
+        b.iter().all(|id| pos(&a[0]) < pos(id)),
+        "commit A ({}) was enqueued after the later commit B {b:?}: pending list (oldest first) \
+         {pending:?}",
+        a[0]
+    );
 }

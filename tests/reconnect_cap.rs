@@ -104,6 +104,7 @@ async fn reconnect_delays_double_up_to_the_30_second_cap_and_stay_there() {
             on_slot_lost: OnSlotLost::Recreate,
             takeover_after: Duration::from_secs(5),
             link_timeout: None,
+            publication_check: None,
         },
         tasks: Arc::new(TaskSettings {
             type_prefix: "event:".into(),

@@ -432,3 +432,39 @@ async fn an_outbox_without_id_is_refused_and_a_domain_over_bigint_is_not() {
     assert_eq!(ids, ["00000000-0000-4000-8000-00000000d001"]);
     relay.stop().await;
 }
+
+/// An outbox whose ids may repeat (no unique index on `id`, no identity, no sequence) is
+/// refused at start, before a slot exists, with advice that works. The poller claims and the
+/// marker marks rows by `id`: found by review, a row sharing its id with a delivered one was
+/// marked published with it although its own queue refused it (never delivered), and the
+/// poller's per-row attempt failed on every round. A partitioned outbox with an identity `id`
+/// (its unique keys must include the partition column) is accepted: tests/publication.rs
+/// `a_partitioned_outbox_is_streamed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_whose_ids_may_repeat_is_refused_before_the_slot_exists() {
+    let db = TestDb::on(&shared_pg_url(), "iddup", false).await;
+    let c = db.client().await;
+    c.batch_execute(&format!(
+        "CREATE TABLE outbox_events (id bigint NOT NULL, {COLUMNS_BUT_ID});
+         CREATE INDEX outbox_events_id ON outbox_events (id);
+         INSERT INTO outbox_events (id, event_id, event_name, payload)
+         VALUES (7, gen_random_uuid(), 'x.event', '{{}}')"
+    ))
+    .await
+    .unwrap();
+    let redis = Redis::start();
+    let msg = tokio::time::timeout(PATIENCE, Relay::failure(run_args(&db, &redis.url, &[])))
+        .await
+        .expect("the relay started on an outbox whose ids may repeat");
+    let advice = "CREATE UNIQUE INDEX CONCURRENTLY ON outbox_events (id);";
+    assert!(msg.contains("id has no unique index"), "{msg}");
+    assert!(msg.contains(advice), "{msg}");
+    assert!(
+        !slot_exists(&db).await,
+        "the refused run left a slot behind"
+    );
+    // The advice makes it right.
+    c.batch_execute(advice).await.unwrap();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &[])).await;
+    relay.stop().await;
+}

@@ -165,6 +165,17 @@ impl SlotPort for PgSlot {
         })
     }
 
+    async fn restore_publication(&self) -> Result<bool, StreamError> {
+        let client = self.primary.as_ref().unwrap_or(&self.pg).connect().await?;
+        Ok(setup::restore_publication(&client, &self.publication, &self.table).await?)
+    }
+
+    async fn publication_missing(&self) -> Result<bool, StreamError> {
+        let client = self.primary.as_ref().unwrap_or(&self.pg).connect().await?;
+        let now = super::publication::current(&client, &self.publication).await?;
+        Ok(now.oid.is_none())
+    }
+
     async fn recreate(&self) -> Result<Lsn, StreamError> {
         if let Some(primary) = &self.primary {
             let info = super::standby::recreate_slot(

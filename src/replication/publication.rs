@@ -1,24 +1,45 @@
-//! A publication dropped (and perhaps recreated) while the slot still has WAL to decode from
-//! before that.
+//! The relay's publication going missing while it runs, and a publication dropped (and perhaps
+//! recreated) while the slot still has WAL to decode from before that.
 //!
 //! Postgres decodes each WAL position with the catalog as it was at that position. From the
-//! drop on, the slot's walsender looks the publication up by name in that historic catalog,
-//! finds nothing, and ends the stream with `publication "x" does not exist` (SQLSTATE 42704)
-//! at the first change it decodes. A new publication of the same name does not help: it is
-//! another object, created later in the WAL. Reconnecting resumes from the slot's confirmed
-//! position, before the drop, and fails at the same place: forever, and across restarts.
+//! drop on, the slot's walsender looks the publication up by name in that historic catalog and
+//! finds nothing. What pgoutput does then depends on the version:
 //!
-//! The way out is the one for a lost slot: a new slot, which starts at the current WAL position
-//! and with the current catalog. Events committed between the slot's confirmed position and
-//! the new slot's start are not lost: their rows stay unpublished in the table, and the
-//! recovery poller delivers them (asynq's TaskID dedupe absorbs any the stream had sent).
+//! - Before PostgreSQL 18 it ends the stream with `publication "x" does not exist` (SQLSTATE
+//!   42704) at the first change it decodes. A new publication of the same name does not help:
+//!   reconnecting resumes from the slot's confirmed position, before the drop, and fails at the
+//!   same place: forever, and across restarts. The way out is the one for a lost slot: a new
+//!   slot, which starts at the current WAL position and with the current catalog
+//!   ([`recreate_slot`], called by the stream's supervisor on that error).
+//! - From PostgreSQL 18 it skips the missing publication (`WARNING: skipped loading publication
+//!   "x"`, SQLSTATE 55000, as a NoticeResponse) and goes on decoding with none: no error, and no
+//!   row of the outbox is sent. A publication created again is picked up by the same slot from
+//!   its creation's WAL position on (checked on 18.4, over the walsender and over SQL), so no new
+//!   slot is needed: only someone to create the publication again. That is [`watch`].
 //!
-//! This file holds the classification (PURE) and the SQL of the repair; the stream's
-//! supervisor calls them.
+//! Either way, rows committed while the publication was missing never come from the stream:
+//! they stay unpublished in the table and the recovery poller delivers them (asynq's TaskID
+//! dedupe absorbs any the stream had sent).
+//!
+//! [`watch`] asks the server over SQL, every `OUTBOX_HEALTH_INTERVAL`, whether the publication
+//! exists and publishes the table's inserts, rather than waiting for the walsender's warning:
+//! the warning comes only from 18 on, only when a change is decoded after the drop, and once per
+//! catalog invalidation; pgwire-replication drops NoticeResponses; and the SQL check also sees a
+//! publication that no longer includes the table (which is silent on every version), on a
+//! primary or for a slot on a standby alike.
+//!
+//! This file holds the classification (PURE), the SQL of the repair and the watch; the stream's
+//! supervisor runs them.
 
 use super::setup::{self, SetupError, SlotInfo};
+use super::source::SlotPort;
+use super::stream::StreamError;
+use crate::error_chain::error_chain;
+use crate::metrics::Metrics;
 use crate::pgoutput::TableName;
+use std::time::Duration;
 use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
 
 /// Whether a walsender error says that `publication` does not exist in the catalog it decodes
 /// with. SQLSTATE 42704 alone is not enough (a missing slot is 42704 too): the message must
@@ -59,10 +80,110 @@ pub async fn recreate_slot(
 ) -> Result<(SlotInfo, PublicationNow), SetupError> {
     let found = current(client, publication).await?;
     // Creates it when missing; checks that it publishes the table's inserts otherwise.
-    setup::ensure_publication(client, publication, table).await?;
+    setup::restore_publication(client, publication, table).await?;
     setup::drop_slot(client, slot).await?;
     let info = setup::ensure_slot(client, slot).await?;
     Ok((info, found))
+}
+
+/// Creates the publication again through `port` when it is missing; counts it in
+/// `outbox_publication_restored_total` and says so. `Ok(true)` when this call created it.
+pub async fn restore<P: SlotPort>(port: &P, metrics: &Metrics) -> Result<bool, StreamError> {
+    let created = port.restore_publication().await?;
+    if created {
+        metrics.publication_restored.inc();
+        tracing::error!(
+            publication = %port.publication(),
+            "PUBLICATION WAS MISSING (dropped): created it again, inserts of the outbox table \
+             only; rows committed while it was missing never come from the stream, the recovery \
+             poller delivers them from the table (from PostgreSQL 18 the slot streams on from the \
+             new publication; before 18 the stream stops at the drop and the slot is recreated)"
+        );
+    }
+    Ok(created)
+}
+
+/// Checks the publication every `every` until `stop` (see the module's comment), creating it
+/// again when it is missing. Each check is bounded by `limit`. A problem it cannot repair (the
+/// publication no longer includes the table or its inserts, no right to create it, no server) is
+/// logged when it starts or changes, and again when it has gone.
+///
+/// With `restore` false (`OUTBOX_ON_SLOT_LOST=stop`: the relay must never skip events itself),
+/// a missing publication is not created again: the watch returns the error that stops the
+/// stream. From PostgreSQL 18 the walsender skips what it cannot publish instead of failing,
+/// so a stream that went on would acknowledge past events it never sent, and with recovery off
+/// no poller would send them (found by review).
+pub async fn watch<P: SlotPort>(
+    port: &P,
+    slot: &str,
+    every: Duration,
+    limit: Option<Duration>,
+    restore_missing: bool,
+    metrics: &Metrics,
+    stop: CancellationToken,
+) -> Result<(), StreamError> {
+    let mut reported: Option<String> = None;
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(every) => {}
+        }
+        let once = async {
+            if restore_missing {
+                restore(port, metrics).await.map(|_| false)
+            } else {
+                port.publication_missing().await
+            }
+        };
+        let check = async {
+            match limit {
+                Some(limit) => tokio::time::timeout(limit, once)
+                    .await
+                    .map_err(|_| format!("no answer within {limit:?} (OUTBOX_LINK_TIMEOUT)")),
+                None => Ok(once.await),
+            }
+        };
+        let result = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return Ok(()),
+            r = check => r,
+        };
+        if let Ok(Ok(true)) = result {
+            tracing::error!(
+                publication = %port.publication(),
+                "PUBLICATION WAS DROPPED: OUTBOX_ON_SLOT_LOST=stop, so the relay does not create it \
+                 again and stops; events committed since the drop did not come from the stream \
+                 and wait in the table: deliver them (a poll-mode relay, or `outbox-relay replay`), \
+                 create the publication, then start the relay"
+            );
+            return Err(StreamError::SlotLost {
+                slot: slot.to_owned(),
+                why: "behind a dropped publication (from PostgreSQL 18 it skips what it cannot \
+                      publish)",
+            });
+        }
+        let problem = match result {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(error_chain(&e)),
+            Err(timed_out) => Some(timed_out),
+        };
+        match (&problem, &reported) {
+            (None, Some(_)) => tracing::info!(
+                publication = %port.publication(),
+                "the publication check passes again"
+            ),
+            (Some(p), last) if last.as_ref() != Some(p) => tracing::warn!(
+                publication = %port.publication(),
+                error = %p,
+                "could not check or restore the publication: while it is missing or does not \
+                 publish the outbox table's inserts, the stream delivers none of them and the \
+                 recovery poller does, after OUTBOX_RECOVERY_GRACE"
+            ),
+            _ => {}
+        }
+        reported = problem;
+    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,10 @@
 //! 4. the next replication event, while the open batch has room;
 //! 5. nothing to read right now: the open batch goes out unless a write is under way (rows
 //!    then gather while it travels: group commit), or it lingers while draining a backlog;
-//! 6. the linger timer.
+//! 6. the linger timer;
+//! 7. caught up, with a write under way for [`GROUP_COMMIT_WAIT`] already: the open batch goes
+//!    out beside it, so over a slow link a row waits at most that long, not a round trip;
+//! 8. the receive deadline.
 //!
 //! Rows are streamed into batches as they arrive, so a huge transaction never sits in memory;
 //! its commit is acknowledged once its last batch is confirmed. Status updates go out every
@@ -54,6 +57,14 @@ const BEHIND_MICROS: i64 = 50_000;
 /// event (CPU that, on a shared host, the walsender then lacks). Caught up, nothing waits: a
 /// batch leaves as soon as nothing more is readable.
 const LINGER: Duration = Duration::from_millis(2);
+/// Caught up, the rows read while a write is under way wait for it (group commit: one write
+/// carries them all) only this long after the newest write left; then they leave beside it,
+/// while the writer has room. On loopback a write is confirmed well within this, so nothing
+/// changes there; across a link of round trip R a row waited up to R for the write ahead of it
+/// before its own write could leave, and now waits at most this (rounded up to tokio's
+/// one-millisecond timer). Writes still leave at most one per this interval, so a trickle does
+/// not become one write per row. Measured in docs/benchmarks.md ("The group-commit wait").
+pub const GROUP_COMMIT_WAIT: Duration = Duration::from_millis(1);
 /// After shutdown, how long the final acknowledgement may take to reach the server, and the
 /// connection to close.
 const FINAL_ACK_WAIT: Duration = Duration::from_secs(3);
@@ -142,6 +153,21 @@ impl<'a, S: Sink> Session<'a, S> {
         self.sent_micros - self.txn_commit_micros > BEHIND_MICROS
     }
 
+    /// When the open batch leaves beside the write under way (see [`GROUP_COMMIT_WAIT`]):
+    /// only caught up (draining a backlog, batches fill or linger instead), with room in the
+    /// writer, and not while it backs off (its retry re-sends everything unconfirmed).
+    fn beside_write_at(&self) -> Option<Instant> {
+        if self.open.is_empty() || self.linger_at.is_some() || self.behind() {
+            return None;
+        }
+        if !self.writer.can_send() {
+            return None;
+        }
+        self.writer
+            .newest_write_started()
+            .map(|at| at + GROUP_COMMIT_WAIT)
+    }
+
     fn open_full(&self) -> bool {
         self.open.len() >= self.cx.settings.batch_rows
             || self.open.bytes >= self.cx.settings.batch_bytes
@@ -159,6 +185,7 @@ impl<'a, S: Sink> Session<'a, S> {
                 l.reading(reading, Instant::now().into_std());
                 l.deadline().map(Instant::from_std)
             });
+            let beside_write_at = self.beside_write_at();
             tokio::select! {
                 biased;
                 // 1
@@ -192,7 +219,11 @@ impl<'a, S: Sink> Session<'a, S> {
                 _ = sleep_until_opt(self.linger_at), if self.linger_at.is_some() && !self.writer.busy() => {
                     self.dispatch()?;
                 }
-                // 7: the link is dead; nothing more is acknowledged on it.
+                // 7
+                _ = sleep_until_opt(beside_write_at), if beside_write_at.is_some() => {
+                    self.dispatch()?;
+                }
+                // 8: the link is dead; nothing more is acknowledged on it.
                 // A walsender busy decoding reads no status update (see `super::liveness`):
                 // the server is asked before the link is called dead.
                 _ = sleep_until_opt(deadline), if deadline.is_some() => {

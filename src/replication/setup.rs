@@ -4,6 +4,7 @@
 
 use crate::pgoutput::{OutboxColumn, TableName};
 use pgwire_replication::Lsn;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::Client;
 
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +42,26 @@ pub enum SetupError {
     )]
     IdNotBigint { table: String, found: String },
     #[error(
+        "the outbox table {table}: id has no unique index of its own and is not an identity \
+         or sequence column; the poller claims and the marker marks rows by id, so rows sharing \
+         an id would be marked published together, one of them never delivered; run \
+         `CREATE UNIQUE INDEX CONCURRENTLY ON {table} (id);` (or make id an identity column: \
+         the Go kit's table has `id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY`)"
+    )]
+    IdNotUnique { table: String },
+    #[error(
+        "the outbox table {table} is partitioned by {key}, and the relay updates {column}: \
+         marking a row would move it to another partition, which logical decoding sends as a \
+         new insert, so its event would be delivered again (run again once asynq's retention \
+         has passed); partition the outbox by a column the relay never updates, such as \
+         created_at or id"
+    )]
+    PartitionedByDeliveryState {
+        table: String,
+        key: String,
+        column: &'static str,
+    },
+    #[error(
         "the outbox table {0} lacks the delivery-state columns (attempts, last_error, \
          next_attempt_at, dead_at) the poller needs: run `outbox-relay migrate` (additive; the Go \
          kit's relay keeps working)"
@@ -51,6 +72,41 @@ pub enum SetupError {
          `ALTER PUBLICATION {publication} ADD TABLE {table};` or choose another OUTBOX_PUBLICATION"
     )]
     PublicationLacksTable { publication: String, table: String },
+    #[error(
+        "publication {publication:?} publishes the partitions of {table}, not {table} itself: \
+         pgoutput would name each partition, and the relay streams only {table}; run \
+         `ALTER PUBLICATION {publication} SET (publish_via_partition_root = true);`"
+    )]
+    PublicationNotViaRoot { publication: String, table: String },
+    #[error(
+        "publication {publication:?} is missing while slot {slot:?} exists, and \
+         OUTBOX_ON_SLOT_LOST=stop: the relay does not create it again, because from PostgreSQL 18 \
+         the slot would skip the events committed while it was missing (before 18 it cannot \
+         decode past the drop). Those events are in the table: deliver them (OUTBOX_MODE=poll, \
+         or `outbox-relay replay`), create the publication (`outbox-relay migrate`), then start \
+         the relay"
+    )]
+    PublicationDroppedBehindSlot { publication: String, slot: String },
+    #[error(
+        "publication {publication:?} publishes only some columns of {table}, without {missing}: \
+         tasks would be built without them; run `ALTER PUBLICATION {publication} SET TABLE \
+         {table};` (all columns)"
+    )]
+    PublicationColumnList {
+        publication: String,
+        table: String,
+        missing: String,
+    },
+    #[error(
+        "publication {publication:?} filters the rows of {table} (WHERE {filter}): the rows it \
+         leaves out would come only from the recovery poller; run `ALTER PUBLICATION \
+         {publication} SET TABLE {table};` (no filter)"
+    )]
+    PublicationRowFilter {
+        publication: String,
+        table: String,
+        filter: String,
+    },
     #[error(
         "publication {publication:?} does not publish inserts: run \
          `ALTER PUBLICATION {publication} SET (publish = 'insert');`"
@@ -245,65 +301,272 @@ pub async fn check_table(client: &Client, table: &TableName) -> Result<(), Setup
             });
         }
     }
+    // Rows sharing an id: the marker's `WHERE id = ANY(...)` marks all of them when one is
+    // delivered, so one whose queue refused it, or that a lost slot skipped, would be marked
+    // published and never delivered; and the poller's per-row attempt fails on every round
+    // (found by review: the poller stopped). Unique: a valid unique index on id alone, or ids
+    // from an identity or a sequence (a partitioned table's unique keys must include its
+    // partition key, so only the latter there).
+    let unique: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = a.attrelid \
+                 AND i.indisunique AND i.indisvalid AND i.indnkeyatts = 1 \
+                 AND i.indpred IS NULL AND i.indkey[0] = a.attnum) \
+             OR a.attidentity <> '' \
+             OR EXISTS (SELECT 1 FROM pg_attrdef d WHERE d.adrelid = a.attrelid \
+                 AND d.adnum = a.attnum AND pg_get_expr(d.adbin, d.adrelid) LIKE 'nextval(%') \
+             FROM pg_attribute a WHERE a.attrelid = $1 AND a.attname = 'id'",
+            &[&oid],
+        )
+        .await?
+        .get(0);
+    if !unique {
+        return Err(SetupError::IdNotUnique { table: table.sql() });
+    }
+    // A partition key the relay changes: an UPDATE that moves a row to another partition is
+    // decoded as a delete and an insert, and the insert is streamed as a new event (found by
+    // review: 300 events, 300 sent again; with retention 0, 583 runs). Every partitioned level
+    // counts (sub-partitions have keys of their own).
+    let keys = client
+        .query(
+            "SELECT pg_get_partkeydef(t.relid) FROM pg_partition_tree($1::oid::regclass) t \
+             JOIN pg_class c ON c.oid = t.relid WHERE c.relkind = 'p'",
+            &[&oid],
+        )
+        .await?;
+    for key in keys.iter().filter_map(|r| r.get::<_, Option<String>>(0)) {
+        if let Some(column) = updated_column_in(&key) {
+            return Err(SetupError::PartitionedByDeliveryState {
+                table: table.sql(),
+                key,
+                column,
+            });
+        }
+    }
     Ok(())
 }
 
+/// The columns the relay updates on a row (marking, attempts, dead letters).
+const UPDATED_COLUMNS: [&str; 5] = [
+    "published_at",
+    "attempts",
+    "last_error",
+    "next_attempt_at",
+    "dead_at",
+];
+
+/// The first column of [`UPDATED_COLUMNS`] a partition key definition
+/// (`pg_get_partkeydef`, e.g. `RANGE (published_at)` or `LIST (coalesce(dead_at, ...))`)
+/// names, as a whole word (a quoted name reads the same once the quotes are dropped).
+fn updated_column_in(key: &str) -> Option<&'static str> {
+    let words: Vec<&str> = key
+        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .filter(|w| !w.is_empty())
+        .collect();
+    UPDATED_COLUMNS
+        .into_iter()
+        .find(|c| words.iter().any(|w| w.eq_ignore_ascii_case(c)))
+}
+
 /// Creates the publication (inserts only) when missing; checks an existing one covers the table.
+/// Returns whether this call created it.
 pub async fn ensure_publication(
     client: &Client,
     publication: &str,
     table: &TableName,
-) -> Result<(), SetupError> {
+) -> Result<bool, SetupError> {
+    let others = match check_publication(client, publication, table).await? {
+        Some(others) => others,
+        None => return create_publication(client, publication, table).await,
+    };
+    if others {
+        tracing::warn!(
+            publication,
+            "publication also publishes updates, deletes or truncates: they are ignored, \
+             but cost decoding; `ALTER PUBLICATION ... SET (publish = 'insert')` avoids that"
+        );
+    }
+    Ok(false)
+}
+
+/// As [`ensure_publication`], without the start-up warnings: for a check that runs again and
+/// again while the relay runs.
+pub async fn restore_publication(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<bool, SetupError> {
+    match check_publication(client, publication, table).await? {
+        Some(_) => Ok(false),
+        None => create_publication(client, publication, table).await,
+    }
+}
+
+/// How long creating the publication may take before the server ends it (and it is tried again
+/// at the next check or start): in practice, how long it waits for the table's lock.
+pub const PUBLICATION_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Creates the publication, inserts of `table` only; `false` when another session created it
+/// first (another relay), after checking the one it created.
+async fn create_publication(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<bool, SetupError> {
+    // CREATE PUBLICATION ... FOR TABLE takes a SHARE UPDATE EXCLUSIVE lock on the table, which
+    // a VACUUM, an ANALYZE or CREATE INDEX CONCURRENTLY holds for long: without a bound each
+    // periodic check left one more session waiting behind it (found by review: 10 in 30 s).
+    // The bound is on the statement, not on one lock wait: a second creator waits first for
+    // the first one's transaction (the publication's name), then for the table, each wait up
+    // to a lock_timeout (found by tests/publication.rs: five sessions waited at once under a
+    // 5 s lock_timeout). The connections this runs on are the relay's own, made for the check,
+    // the repair or the start-up; the watch waits for the server's answer (see
+    // `publication::watch`), so checks do not overlap. SET LOCAL, in a transaction of its
+    // own: nothing outlives it, whether through a transaction pooler or a future dropped
+    // halfway (found by review).
+    // Names are validated identifiers (config), so formatting them in is safe.
+    let created = client
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL statement_timeout = {}; \
+             CREATE PUBLICATION {publication} FOR TABLE {} \
+             WITH (publish = 'insert', publish_via_partition_root = true); COMMIT",
+            PUBLICATION_LOCK_WAIT.as_millis(),
+            table.sql()
+        ))
+        .await;
+    if created.is_err() {
+        // The statements after the failed one did not run: end the failed transaction. The
+        // error worth reporting is the CREATE's; a ROLLBACK that fails too means a lost
+        // connection, which the next statement on it reports.
+        if let Err(e) = client.batch_execute("ROLLBACK").await {
+            tracing::debug!(error = %e, "ROLLBACK after a failed CREATE PUBLICATION");
+        }
+    }
+    match created {
+        Ok(()) => {
+            tracing::info!(publication, table = %table, "created publication (inserts only)");
+            Ok(true)
+        }
+        // "already exists", or the unique index on its name when both looked first.
+        Err(e)
+            if e.code() == Some(&SqlState::DUPLICATE_OBJECT)
+                || e.code() == Some(&SqlState::UNIQUE_VIOLATION) =>
+        {
+            check_publication(client, publication, table).await?;
+            Ok(false)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The publication as the current catalog has it: `None` when it does not exist; else whether it
+/// also publishes updates, deletes or truncates. An existing publication that does not publish
+/// the table's inserts is the error that says how to fix it.
+pub async fn check_publication(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<Option<bool>, SetupError> {
     let row = client
         .query_opt(
             "SELECT pubinsert, pubupdate OR pubdelete OR pubtruncate FROM pg_publication WHERE pubname = $1",
             &[&publication],
         )
         .await?;
-    match row {
-        None => {
-            // Names are validated identifiers (config), so formatting them in is safe.
-            client
-                .batch_execute(&format!(
-                    "CREATE PUBLICATION {publication} FOR TABLE {} WITH (publish = 'insert')",
-                    table.sql()
-                ))
-                .await?;
-            tracing::info!(publication, table = %table, "created publication (inserts only)");
-        }
-        Some(row) => {
-            let (inserts, others): (bool, bool) = (row.get(0), row.get(1));
-            if !inserts {
-                return Err(SetupError::PublicationWithoutInserts {
-                    publication: publication.to_owned(),
-                });
-            }
-            if others {
-                tracing::warn!(
-                    publication,
-                    "publication also publishes updates, deletes or truncates: they are ignored, \
-                     but cost decoding; `ALTER PUBLICATION ... SET (publish = 'insert')` avoids that"
-                );
-            }
-            // Matched by name, not by casting each row to regclass: the planner may evaluate
-            // such a cast on every relation of pg_class, including those of pg_toast, where a
-            // role without superuser has no USAGE ("permission denied for schema pg_toast").
-            let covered = client
-                .query_one(
-                    "SELECT EXISTS (SELECT 1 FROM pg_publication_tables t \
-                     JOIN pg_namespace n ON n.nspname = t.schemaname \
-                     JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = t.tablename \
-                     WHERE t.pubname = $1 AND c.oid = to_regclass($2))",
-                    &[&publication, &table.sql()],
-                )
-                .await?;
-            if !covered.get::<_, bool>(0) {
-                return Err(SetupError::PublicationLacksTable {
-                    publication: publication.to_owned(),
-                    table: table.sql(),
-                });
-            }
-        }
+    let Some(row) = row else { return Ok(None) };
+    let (inserts, others): (bool, bool) = (row.get(0), row.get(1));
+    if !inserts {
+        return Err(SetupError::PublicationWithoutInserts {
+            publication: publication.to_owned(),
+        });
+    }
+    // A partitioned outbox: without publish_via_partition_root, pgoutput names each leaf
+    // partition, which the stream takes for another table, and pg_publication_tables lists
+    // the leaves (found by review: only the recovery poller delivered, and the next start
+    // refused the publication with advice PostgreSQL rejects).
+    let not_via_root = client
+        .query_opt(
+            "SELECT c.relkind = 'p' AND NOT p.pubviaroot FROM pg_publication p, pg_class c \
+             WHERE p.pubname = $1 AND c.oid = to_regclass($2)",
+            &[&publication, &table.sql()],
+        )
+        .await?;
+    if not_via_root.is_some_and(|r| r.get::<_, bool>(0)) {
+        return Err(SetupError::PublicationNotViaRoot {
+            publication: publication.to_owned(),
+            table: table.sql(),
+        });
+    }
+    // Matched by name, not by casting each row to regclass: the planner may evaluate
+    // such a cast on every relation of pg_class, including those of pg_toast, where a
+    // role without superuser has no USAGE ("permission denied for schema pg_toast").
+    let covered = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables t \
+             JOIN pg_namespace n ON n.nspname = t.schemaname \
+             JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = t.tablename \
+             WHERE t.pubname = $1 AND c.oid = to_regclass($2))",
+            &[&publication, &table.sql()],
+        )
+        .await?;
+    if !covered.get::<_, bool>(0) {
+        return Err(SetupError::PublicationLacksTable {
+            publication: publication.to_owned(),
+            table: table.sql(),
+        });
+    }
+    check_publication_filters(client, publication, table).await?;
+    Ok(Some(others))
+}
+
+/// From PostgreSQL 15 a publication may carry a column list or a row filter for the table; the
+/// relay refuses both (found by review): a column list without `metadata` made tasks without
+/// it and marked their rows published, and a row filter leaves the rows it filters to the
+/// recovery poller only (to nobody with `OUTBOX_RECOVERY=false`).
+async fn check_publication_filters(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<(), SetupError> {
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await?
+        .get(0);
+    if version < 150_000 {
+        return Ok(());
+    }
+    let row = client
+        .query_opt(
+            "SELECT t.attnames::text[], t.rowfilter FROM pg_publication_tables t \
+             JOIN pg_namespace n ON n.nspname = t.schemaname \
+             JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = t.tablename \
+             WHERE t.pubname = $1 AND c.oid = to_regclass($2)",
+            &[&publication, &table.sql()],
+        )
+        .await?;
+    let Some(row) = row else { return Ok(()) };
+    let (columns, filter): (Option<Vec<String>>, Option<String>) = (row.get(0), row.get(1));
+    if let Some(filter) = filter {
+        return Err(SetupError::PublicationRowFilter {
+            publication: publication.to_owned(),
+            table: table.sql(),
+            filter,
+        });
+    }
+    let columns = columns.unwrap_or_default();
+    // The columns a task is built from: a column list that leaves one out streams rows without
+    // it (the metadata, and with it the trace context, silently empty).
+    let missing: Vec<&str> = crate::pgoutput::OutboxColumn::ALL
+        .iter()
+        .map(|c| c.name())
+        .filter(|c| !columns.iter().any(|have| have == c))
+        .collect();
+    if !missing.is_empty() {
+        return Err(SetupError::PublicationColumnList {
+            publication: publication.to_owned(),
+            table: table.sql(),
+            missing: missing.join(", "),
+        });
     }
     Ok(())
 }
@@ -453,6 +716,22 @@ pub async fn ensure_slot(client: &Client, slot: &str) -> Result<SlotInfo, SetupE
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_partition_key_naming_an_updated_column_is_found() {
+        assert_eq!(
+            updated_column_in("RANGE (published_at)"),
+            Some("published_at")
+        );
+        assert_eq!(
+            updated_column_in("LIST (COALESCE(dead_at, '2000-01-01'::timestamp with time zone))"),
+            Some("dead_at")
+        );
+        assert_eq!(updated_column_in("HASH (id, attempts)"), Some("attempts"));
+        assert_eq!(updated_column_in("RANGE (created_at)"), None);
+        assert_eq!(updated_column_in("HASH (id)"), None);
+        assert_eq!(updated_column_in("RANGE (published_at_day)"), None);
+    }
+
     use super::*;
 
     fn names(list: &[&str]) -> Vec<(String, String)> {

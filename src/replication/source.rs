@@ -73,6 +73,20 @@ pub trait SlotPort: Send + Sync {
 
     fn state(&self) -> impl Future<Output = Result<SlotState, StreamError>> + Send;
 
+    /// Checks that the publication exists and publishes the outbox table's inserts, and creates
+    /// it when it is missing (on the primary: a standby is read-only). `Ok(true)` when this call
+    /// created it. The default: a publication that cannot go missing (the simulation's).
+    fn restore_publication(&self) -> impl Future<Output = Result<bool, StreamError>> + Send {
+        async { Ok(false) }
+    }
+
+    /// Whether the publication is missing now (checked on the primary), without creating it:
+    /// for a relay configured to stop rather than skip events (`OUTBOX_ON_SLOT_LOST=stop`). The
+    /// default: a publication that cannot go missing (the simulation's).
+    fn publication_missing(&self) -> impl Future<Output = Result<bool, StreamError>> + Send {
+        async { Ok(false) }
+    }
+
     /// Drops the slot if it exists and creates it again; returns its new position.
     fn recreate(&self) -> impl Future<Output = Result<Lsn, StreamError>> + Send;
 

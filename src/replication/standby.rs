@@ -121,7 +121,7 @@ pub async fn recreate_slot(
     table: &crate::pgoutput::TableName,
 ) -> Result<SlotInfo, StandbyError> {
     let primary_client = primary.connect().await?;
-    setup::ensure_publication(&primary_client, publication, table).await?;
+    setup::restore_publication(&primary_client, publication, table).await?;
     let client = replication.connect().await?;
     let started = tokio::time::Instant::now();
     loop {

@@ -48,6 +48,10 @@ pub struct StreamSettings {
     /// A replication connection that carries nothing for this long while read is dead (see
     /// [`super::liveness`]); `None`: no deadline (the simulation's in-memory source).
     pub link_timeout: Option<Duration>,
+    /// How often the publication is checked and, when missing, created again (see
+    /// [`publication`]; from PostgreSQL 18 nothing else notices it gone); `None`: never (the
+    /// simulation's, whose publication cannot go missing).
+    pub publication_check: Option<Duration>,
 }
 
 /// First reconnect delay, and the cap of the doubling delays.
@@ -136,8 +140,49 @@ pub struct Stream<P: SlotPort, S: Sink> {
 }
 
 impl<P: SlotPort, S: Sink> Stream<P, S> {
-    /// Streams until `shutdown` fires (Ok) or a non-retryable error.
+    /// Streams until `shutdown` fires (Ok) or a non-retryable error; beside it, the publication
+    /// is checked (and created again when missing) until the stream ends.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<(), StreamError> {
+        let Some(every) = self.settings.publication_check else {
+            return self.supervise(shutdown).await;
+        };
+        let stop_watch = shutdown.child_token();
+        // The watch can end the stream too (a dropped publication with OUTBOX_ON_SLOT_LOST=stop):
+        // the stream then stops as at shutdown, acknowledging only what Valkey confirmed.
+        let stop_stream = shutdown.child_token();
+        let supervise = async {
+            let result = self.supervise(stop_stream.clone()).await;
+            stop_watch.cancel();
+            result
+        };
+        let watch = async {
+            let watched = publication::watch(
+                &self.port,
+                &self.settings.slot,
+                every,
+                // Long enough to hear the server end a CREATE PUBLICATION stuck behind a table
+                // lock: a check that gave up first would leave its backend waiting on, and the
+                // next check one more beside it.
+                self.settings
+                    .link_timeout
+                    .map(|t| t + super::setup::PUBLICATION_LOCK_WAIT),
+                self.settings.on_slot_lost == OnSlotLost::Recreate,
+                &self.metrics,
+                stop_watch.clone(),
+            )
+            .await;
+            if watched.is_err() {
+                stop_stream.cancel();
+            }
+            watched
+        };
+        let (result, watched) = tokio::join!(supervise, watch);
+        watched.and(result)
+    }
+
+    /// Runs sessions, reconnecting, standing by and healing, until `shutdown` fires (Ok) or a
+    /// non-retryable error.
+    async fn supervise(&self, shutdown: CancellationToken) -> Result<(), StreamError> {
         let mut backoff = Backoff::new(RECONNECT_FIRST, RECONNECT_MAX);
         let mut watch = TakeoverWatch::new(self.settings.takeover_after);
         let mut standing_by = false;
@@ -178,7 +223,16 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
                     self.next_delay(&mut backoff, false)
                 }
                 Err(e) if self.publication_dropped(&e) => {
-                    self.heal_publication(&mut backoff).await?
+                    // The repair waits on the server (a table lock, found by review): a
+                    // shutdown does not wait for it.
+                    tokio::select! {
+                        biased;
+                        _ = shutdown.cancelled() => {
+                            self.metrics.stream_standby.set(0);
+                            return Ok(());
+                        }
+                        healed = self.heal_publication(&mut backoff) => healed?,
+                    }
                 }
                 Err(e) if e.is_retryable() => {
                     tracing::warn!(error = %error_chain(&e), "replication stream lost");
@@ -272,8 +326,13 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
                 why: "behind a dropped publication (it cannot decode past the drop)",
             });
         }
-        // Recreating the slot also creates the publication if it is still missing.
-        match self.port.recreate().await {
+        // The publication first, if it is still missing (counted as the watch counts it);
+        // recreating the slot checks it again.
+        let restored = match publication::restore(&self.port, &self.metrics).await {
+            Ok(_) => self.port.recreate().await,
+            Err(e) => Err(e),
+        };
+        match restored {
             Ok(lsn) => {
                 self.metrics.publication_recreated.inc();
                 tracing::warn!(slot = %slot, lsn = %lsn, "replication slot recreated after the publication was dropped");

@@ -64,6 +64,8 @@ pub struct Writer<S: Sink> {
     metrics: Arc<Metrics>,
     /// A write failed and none has succeeded since.
     failing: bool,
+    /// When the newest write under way was issued.
+    newest_write_at: Option<Instant>,
 }
 
 impl<S: Sink> Writer<S> {
@@ -73,6 +75,8 @@ impl<S: Sink> Writer<S> {
         write_timeout: Duration,
         metrics: Arc<Metrics>,
     ) -> Self {
+        // Nothing is unconfirmed yet: the session starts where everything before has landed.
+        sink.restart_order();
         Self {
             sink,
             unconfirmed: VecDeque::new(),
@@ -84,6 +88,7 @@ impl<S: Sink> Writer<S> {
             backoff: Backoff::new(RETRY_FIRST, RETRY_MAX),
             metrics,
             failing: false,
+            newest_write_at: None,
         }
     }
 
@@ -100,6 +105,12 @@ impl<S: Sink> Writer<S> {
     /// Backing off after a failure.
     pub fn backing_off(&self) -> bool {
         self.retry_at.is_some()
+    }
+
+    /// When the newest write still under way was issued; `None` when no write is under way
+    /// (nothing unconfirmed, or backing off: the retry re-sends everything).
+    pub fn newest_write_started(&self) -> Option<Instant> {
+        self.newest_write_at.filter(|_| !self.inflight.is_empty())
     }
 
     /// Batches held, and their task bytes.
@@ -128,6 +139,7 @@ impl<S: Sink> Writer<S> {
         if self.retry_at.is_none() {
             let fut = self.write(seq, batch);
             self.inflight.push_back(fut);
+            self.newest_write_at = Some(Instant::now());
         }
         self.gauges();
         Ok(())
@@ -163,10 +175,15 @@ impl<S: Sink> Writer<S> {
                 ensure(self.inflight.is_empty(), || {
                     "writes under way while backing off".into()
                 })?;
+                // Everything before the oldest unconfirmed batch has landed: the re-sent
+                // writes start new order chains, so that a call refused before (and every later
+                // one, refused after it) can land now.
+                self.sink.restart_order();
                 for (seq, batch) in &self.unconfirmed {
                     let fut = self.write(*seq, batch.clone());
                     self.inflight.push_back(fut);
                 }
+                self.newest_write_at = Some(Instant::now());
             }
             match self.inflight.next().await {
                 Some((seq, started, Ok(outcome))) => return self.confirmed(seq, started, outcome),

@@ -2,6 +2,7 @@
 //! [`valkey::ValkeySink`] is the real one (asynq's storage format). The deterministic simulation
 //! (`crate::sim`) implements it in memory, with faults.
 
+pub mod order_chain;
 pub mod queue_turns;
 pub mod valkey;
 
@@ -140,7 +141,8 @@ impl SinkError {
 ///   [`WriteOutcome::rejected`] (and does not exist).
 /// - `Err` means anything may have happened; the caller writes the batch again.
 /// - Within one sink, writes issued in order are applied in order (the pending list keeps
-///   commit order).
+///   commit order); for the stream's sink this holds across writes refused for a while and
+///   re-sent ([`Sink::restart_order`]).
 /// - Each queue's part of a write is all or nothing: a task hash never exists without its
 ///   entry in the pending list.
 pub trait Sink: Clone + Send + Sync + 'static {
@@ -153,4 +155,11 @@ pub trait Sink: Clone + Send + Sync + 'static {
     /// Called after a write timed out or the connection failed, so that abandoned writes do
     /// not pile up behind a link that does not answer.
     fn reset(&self) {}
+
+    /// The writes issued from now on start their queues' order chains afresh: called by the
+    /// stream's writer when it starts, and before it re-sends everything unconfirmed after a
+    /// failure, so only where every task written before has landed (or never will, the
+    /// rejected ones). A sink that keeps the order of writes issued in order across refusals
+    /// (see [`valkey::ValkeySink::connect_ordered`]) needs it; others ignore it.
+    fn restart_order(&self) {}
 }

@@ -10,6 +10,7 @@
 //! (sent together, each to the shard of its queue's slot), and `SADD asynq:queues`, whose key
 //! has a slot of its own, is sent beside them once per queue (as asynq's Go client does).
 
+use super::order_chain::{Link, OrderChain};
 use super::queue_turns::{QueueTurns, Ticket};
 use super::{Batch, Rejected, Sink, SinkError, WriteOutcome};
 use crate::task::Task;
@@ -20,32 +21,52 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// The batched form of asynq's enqueue script. KEYS = task hashes..., pending list (last);
-/// ARGV = now in ns, then (msg, id) per task. Returns one 0/1 per task. The new ids go onto the
-/// pending list in one LPUSH, which leaves them in the order one LPUSH per task would (each value
-/// is pushed onto the head in turn); the script runs atomically, so no reader sees the hashes
-/// without their ids.
+/// The batched form of asynq's enqueue script. KEYS = task hashes..., the queue's order key,
+/// pending list (last); ARGV = now in ns, the stream's field in the order key, this call's order
+/// token, its predecessor's token, then (msg, id) per task. Returns one 0/1 per task. The new ids go onto the pending list in one
+/// LPUSH, which leaves them in the order one LPUSH per task would (each value is pushed onto the
+/// head in turn); the script runs atomically, so no reader sees the hashes without their ids.
 ///
-/// All or nothing: the pending list's type is checked before anything is written, so the LPUSH
-/// cannot fail after the HSETs (a task hash without its pending entry would count as delivered
-/// on a replay, and never run). Under `maxmemory` the first HSET is refused (Valkey checks memory
-/// at a script's first write), so nothing is written either.
+/// All or nothing: the order key is written first and the pending list's type is checked before
+/// any task is written, so the LPUSH cannot fail after the HSETs (a task hash without its pending
+/// entry would count as delivered on a replay, and never run). Under `maxmemory` the first write
+/// (the order key's HSET) is refused (Valkey checks memory at a script's first write), so nothing
+/// is written either.
+///
+/// The order fence (see [`OrderChain`]): a call with a token lands only if its stream's field of
+/// the queue's order key holds its predecessor's token (or it has no predecessor: it starts a
+/// chain), and leaves its own token there; otherwise it is refused with `FENCED`, which the
+/// writer retries. A call refused for memory therefore cannot be overtaken by the calls
+/// pipelined after it. Each stream (Postgres system, database, slot) has a field of its own, so
+/// relays of other outboxes writing to the same queue do not break its chains. A call without a
+/// token (the pollers, `replay`) neither checks nor moves the fence, and declares the pending
+/// list in the order key's place.
 pub const ENQUEUE_SCRIPT: &str = r#"
-local n = #KEYS - 1
+local n = #KEYS - 2
+local order = KEYS[#KEYS - 1]
 local pending = KEYS[#KEYS]
+local now, stream, token, prev = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+if token ~= "" then
+  if prev ~= "" then
+    local last = redis.call("HMGET", order, stream)[1]
+    if last ~= prev then
+      return redis.error_reply("FENCED the call before this one (" .. order .. " " .. stream .. ") has not landed")
+    end
+  end
+  redis.call("HSET", order, stream, token)
+end
 local kind = redis.call("TYPE", pending)["ok"]
 if kind ~= "list" and kind ~= "none" then
   return redis.error_reply("WRONGTYPE " .. pending .. " holds a " .. kind .. ", not asynq's pending list")
 end
-local now = ARGV[1]
 local out = {}
 local ids = {}
 for i = 1, n do
   if redis.call("EXISTS", KEYS[i]) == 1 then
     out[i] = 0
   else
-    redis.call("HSET", KEYS[i], "msg", ARGV[2 * i], "state", "pending", "pending_since", now)
-    ids[#ids + 1] = ARGV[2 * i + 1]
+    redis.call("HSET", KEYS[i], "msg", ARGV[2 * i + 3], "state", "pending", "pending_since", now)
+    ids[#ids + 1] = ARGV[2 * i + 4]
     out[i] = 1
   end
 end
@@ -69,11 +90,19 @@ pub fn pending_key(queue: &str) -> String {
     format!("asynq:{{{queue}}}:pending")
 }
 
+/// `asynq:{<q>}:outbox_relay_order`: a hash with a field per stream (see
+/// [`OrderChain::stream`]) holding the order token of that stream's last call that landed on
+/// the queue. asynq does not read it.
+pub fn order_key(queue: &str) -> String {
+    format!("asynq:{{{queue}}}:outbox_relay_order")
+}
+
 /// The set of queue names asynqmon and the Inspector read.
 pub const QUEUES_KEY: &str = "asynq:queues";
 
 /// Writes tasks to Valkey/Redis (one server, a cluster or a Sentinel-managed primary) through
-/// one multiplexed connection.
+/// one multiplexed connection (per node in a cluster). The stream has a sink of its own; the
+/// pollers and the health monitor share another (see `crate::relay::run`).
 #[derive(Clone)]
 pub struct ValkeySink {
     conn: ValkeyConnection,
@@ -88,6 +117,9 @@ pub struct ValkeySink {
     /// A write met NOSCRIPT (a restarted server, a promoted replica): the next write loads the
     /// script before it sends.
     script_missing: Arc<AtomicBool>,
+    /// The stream's sink only: each queue's calls are fenced in the order they were issued
+    /// (see [`OrderChain`]). The pollers' sink has none: its calls carry no token.
+    order: Option<OrderChain>,
 }
 
 impl std::fmt::Debug for ValkeySink {
@@ -98,7 +130,7 @@ impl std::fmt::Debug for ValkeySink {
 
 /// The tasks of a batch grouped by queue, as indices into the batch: queues in order of first
 /// appearance, each queue's tasks in batch order (the pending list is FIFO).
-fn by_queue(tasks: &[Task]) -> Vec<(&str, Vec<usize>)> {
+pub fn by_queue(tasks: &[Task]) -> Vec<(&str, Vec<usize>)> {
     let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
     for (i, t) in tasks.iter().enumerate() {
         match groups.iter_mut().find(|(q, _)| *q == &*t.queue) {
@@ -107,6 +139,17 @@ fn by_queue(tasks: &[Task]) -> Vec<(&str, Vec<usize>)> {
         }
     }
     groups
+}
+
+/// A reply refusing a command or a key to the user's ACL, before a script runs (`NOPERM`) or
+/// inside it (Redis wraps that in `ERR`).
+fn permission_refused(e: &redis::RedisError) -> bool {
+    let detail = e.detail().unwrap_or_default().to_lowercase();
+    e.code() == Some("NOPERM")
+        || (e.code() == Some("ERR")
+            && ["can't run", "can't access", "no permissions"]
+                .iter()
+                .any(|t| detail.contains(t)))
 }
 
 /// What a refused script call means for its tasks.
@@ -198,8 +241,23 @@ fn settle(
 }
 
 impl ValkeySink {
-    /// Connects (failing if Valkey is unreachable now) and loads the enqueue script.
+    /// Connects (failing if Valkey is unreachable now) and loads the enqueue script. Its
+    /// writes are not fenced: for the pollers, `replay` and `reconcile`.
     pub async fn connect(target: ValkeyTarget) -> Result<Self, SinkError> {
+        Self::connect_with(target, None).await
+    }
+
+    /// As [`connect`](Self::connect), for the stream `stream` (its field in the queues' order
+    /// keys): each queue's script calls land in the order they were issued, a refused one
+    /// holding back the ones after it (see [`OrderChain`]).
+    pub async fn connect_ordered(target: ValkeyTarget, stream: String) -> Result<Self, SinkError> {
+        Self::connect_with(target, Some(OrderChain::new(stream))).await
+    }
+
+    async fn connect_with(
+        target: ValkeyTarget,
+        order: Option<OrderChain>,
+    ) -> Result<Self, SinkError> {
         let conn = target.connect().await.map_err(SinkError::Valkey)?;
         let sink = Self {
             conn,
@@ -207,6 +265,7 @@ impl ValkeySink {
             registered: Arc::default(),
             turns: QueueTurns::default(),
             script_missing: Arc::default(),
+            order,
         };
         sink.load_script().await?;
         Ok(sink)
@@ -232,26 +291,39 @@ impl ValkeySink {
         Ok(())
     }
 
-    /// Appends the script calls for one queue's tasks; returns the calls' task indices.
+    /// Appends the script calls for one queue's tasks, one per chunk of `links` (the calls'
+    /// places in the queue's order chain); returns the calls' task indices.
     fn add_scripts<'b>(
         &self,
         pipe: &mut redis::Pipeline,
         batch: &Batch,
         q: &'b str,
         tasks: &'b [usize],
+        links: &[Link],
         now_ns: &str,
     ) -> QueueCalls<'b> {
         let mut calls = QueueCalls {
             queue: q,
             chunks: Vec::new(),
         };
-        for chunk in tasks.chunks(TASKS_PER_SCRIPT) {
+        for (chunk, link) in tasks.chunks(TASKS_PER_SCRIPT).zip(links) {
             let mut cmd = redis::cmd("EVALSHA");
-            cmd.arg(self.script.get_hash()).arg(chunk.len() + 1);
+            cmd.arg(self.script.get_hash()).arg(chunk.len() + 2);
             for &i in chunk {
                 cmd.arg(task_key(q, &batch.tasks[i].id));
             }
-            cmd.arg(pending_key(q)).arg(now_ns);
+            // An unfenced call declares the pending list in the order key's place: it never
+            // reads it, and an ACL whose key patterns leave the order key out (the pollers'
+            // only need) must not refuse it (found by review).
+            match &self.order {
+                Some(_) => cmd.arg(order_key(q)),
+                None => cmd.arg(pending_key(q)),
+            };
+            cmd.arg(pending_key(q))
+                .arg(now_ns)
+                .arg(self.order.as_ref().map_or("", |o| o.stream()))
+                .arg(&link.token)
+                .arg(&link.prev);
             for &i in chunk {
                 let t = &batch.tasks[i];
                 cmd.arg(&t.msg[..]).arg(&t.id);
@@ -262,10 +334,78 @@ impl ValkeySink {
         calls
     }
 
+    /// Whether the ACL lets the stream's script calls read the order fence of `queue`: runs the
+    /// enqueue script as a call of a chain whose predecessor never landed, which answers
+    /// `FENCED` and writes nothing. `Err` with the server's reply when it is refused for
+    /// permissions (`HMGET` not allowed, or key patterns that leave the order key out: seen on
+    /// Redis 7 as `NOPERM ...` before the script runs and as `ERR The user executing the script
+    /// can't run this command ...` inside it), while the same call without a token (which
+    /// touches neither `HMGET` nor the order key, and writes nothing either) is not: an ACL that
+    /// keeps the relay off the whole queue is a per-queue refusal the writes handle (its rows
+    /// go to the poller; `tests/delivery.rs` `sigterm_while_one_queue_is_refused_loses_nothing`).
+    /// Any other answer is left to the writes.
+    pub async fn check_fence(&self, queue: &str) -> Result<(), String> {
+        let Some(order) = &self.order else {
+            return Ok(());
+        };
+        let nonce = format!("{:016x}", rand::random::<u64>());
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.script.get_hash())
+            .arg(2)
+            .arg(order_key(queue))
+            .arg(pending_key(queue))
+            .arg(0)
+            .arg(order.stream())
+            .arg(format!("check-{nonce}"))
+            .arg(format!("never-landed-{nonce}"));
+        match cmd.query_async::<Value>(&mut self.conn.clone()).await {
+            Err(e) if e.code() == Some("FENCED") => Ok(()),
+            Err(e) if permission_refused(&e) => {
+                let mut unfenced = redis::cmd("EVALSHA");
+                unfenced
+                    .arg(self.script.get_hash())
+                    .arg(2)
+                    .arg(pending_key(queue))
+                    .arg(pending_key(queue))
+                    .arg(0)
+                    .arg("")
+                    .arg("")
+                    .arg("");
+                match unfenced.query_async::<Value>(&mut self.conn.clone()).await {
+                    Ok(_) => Err(e.to_string()),
+                    Err(queue_refused) => {
+                        tracing::debug!(error = %queue_refused, "the queue itself is refused");
+                        Ok(())
+                    }
+                }
+            }
+            other => {
+                tracing::debug!(answer = ?other, "the order fence check did not answer FENCED");
+                Ok(())
+            }
+        }
+    }
+
+    /// Each queue's calls' places in its order chain, taken when the write is issued (so in
+    /// the writer's order), in the order of [`by_queue`].
+    fn links(&self, tasks: &[Task]) -> Vec<Vec<Link>> {
+        by_queue(tasks)
+            .iter()
+            .map(|(q, of_queue)| {
+                let calls = of_queue.len().div_ceil(TASKS_PER_SCRIPT);
+                match &self.order {
+                    Some(order) => order.issue(q, calls),
+                    None => vec![Link::none(); calls],
+                }
+            })
+            .collect()
+    }
+
     async fn write_once(
         &self,
         batch: &Batch,
         turns: &[Ticket],
+        links: &[Vec<Link>],
     ) -> Result<WriteOutcome, redis::RedisError> {
         let now_ns = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -279,9 +419,9 @@ impl ValkeySink {
             let mut pipe = redis::pipe();
             pipe.ignore_errors();
             let mut calls = Vec::with_capacity(groups.len());
-            for (q, tasks) in &groups {
+            for ((q, tasks), links) in groups.iter().zip(links) {
                 pipe.cmd("SADD").arg(QUEUES_KEY).arg(*q);
-                calls.push(self.add_scripts(&mut pipe, batch, q, tasks, &now_ns));
+                calls.push(self.add_scripts(&mut pipe, batch, q, tasks, links, &now_ns));
             }
             let replies: Vec<Value> = pipe.query_async(&mut self.conn.clone()).await?;
             let mut replies = replies.into_iter();
@@ -316,10 +456,10 @@ impl ValkeySink {
         };
         let mut calls = Vec::with_capacity(groups.len());
         let mut pipes = Vec::with_capacity(groups.len());
-        for (q, tasks) in &groups {
+        for ((q, tasks), links) in groups.iter().zip(links) {
             let mut pipe = redis::pipe();
             pipe.ignore_errors();
-            calls.push(self.add_scripts(&mut pipe, batch, q, tasks, &now_ns));
+            calls.push(self.add_scripts(&mut pipe, batch, q, tasks, links, &now_ns));
             pipes.push(pipe);
         }
         let writes = futures::future::join_all(pipes.iter().zip(&groups).map(|(pipe, (q, _))| {
@@ -390,6 +530,8 @@ impl Sink for ValkeySink {
         } else {
             Vec::new()
         };
+        // Likewise the calls' places in their queues' order chains.
+        let links = self.links(&batch.tasks);
         async move {
             if batch.is_empty() {
                 return Ok(WriteOutcome::default());
@@ -404,7 +546,7 @@ impl Sink for ValkeySink {
                 this.load_script().await?;
                 this.script_missing.store(false, Ordering::Release);
             }
-            let result = match this.write_once(&batch, &turns).await {
+            let result = match this.write_once(&batch, &turns, &links).await {
                 Err(e) if e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
                     this.script_missing.store(true, Ordering::Release);
                     tracing::info!(
@@ -425,6 +567,12 @@ impl Sink for ValkeySink {
 
     fn reset(&self) {
         self.conn.reset();
+    }
+
+    fn restart_order(&self) {
+        if let Some(order) = &self.order {
+            order.restart();
+        }
     }
 }
 
@@ -468,6 +616,7 @@ mod tests {
             "-CLUSTERDOWN The cluster is down",
             "-MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
             "-NOSCRIPT No matching script. Please use EVAL.",
+            "-FENCED the call before this one (asynq:{q}:outbox_relay_order 1/db/slot) has not landed",
         ] {
             assert_eq!(refusal(&reply(r)), Refusal::Retry, "{r}");
         }

@@ -8,6 +8,42 @@ use std::time::Duration;
 pub struct PgOutbox {
     pub pool: deadpool_postgres::Pool,
     pub store: Store,
+    /// Set on the server for each transaction ([`OutboxTable::begin`]), so that the server ends
+    /// one whose client is cut off, and its row locks go; `None`: the server's settings.
+    pub tx_limits: Option<TxLimits>,
+}
+
+/// Server-side limits of a poll transaction, set with `SET LOCAL` (any role may): without them a
+/// transaction whose client vanished in a partition keeps its row locks until the server's TCP
+/// keepalive ends the session (two hours by Linux's defaults), or for ever when something still
+/// acknowledges its packets (a proxy, a NAT box); other pollers skip the locked rows and the
+/// marker's UPDATE waits behind them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TxLimits {
+    /// `idle_in_transaction_session_timeout`: the transaction idle this long between statements
+    /// ends the session (longer than any wait of a round, see
+    /// [`crate::poller::PollerSettings::idle_in_transaction_bound`]).
+    pub idle: Duration,
+    /// `tcp_user_timeout`: data the server sent unacknowledged this long ends the session (a
+    /// server blocked sending a claimed batch to a client that is gone is not idle).
+    pub unacknowledged: Duration,
+}
+
+impl TxLimits {
+    /// The statements that begin a transaction under these limits (one round trip).
+    pub fn begin_sql(&self) -> String {
+        format!(
+            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}; \
+             SET LOCAL tcp_user_timeout = {}",
+            millis(self.idle),
+            millis(self.unacknowledged)
+        )
+    }
+}
+
+/// Whole milliseconds, at least 1 (0 turns either setting off).
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// A transaction on a pooled connection. Dropped before commit, the connection is taken out of
@@ -45,7 +81,10 @@ impl OutboxTable for PgOutbox {
             client: Some(client),
             store: self.store.clone(),
         };
-        tx.client().batch_execute("BEGIN").await?;
+        match &self.tx_limits {
+            Some(limits) => tx.client().batch_execute(&limits.begin_sql()).await?,
+            None => tx.client().batch_execute("BEGIN").await?,
+        }
         Ok(tx)
     }
 }
@@ -88,5 +127,23 @@ impl OutboxTx for PgTx {
             return Err(e.into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_limits_are_set_for_the_transaction_only_in_milliseconds() {
+        let limits = TxLimits {
+            idle: Duration::from_secs(9),
+            unacknowledged: Duration::from_micros(10),
+        };
+        assert_eq!(
+            limits.begin_sql(),
+            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = 9000; \
+             SET LOCAL tcp_user_timeout = 1"
+        );
     }
 }

@@ -2,7 +2,8 @@
 //! target, with a switch that cuts one link at a time.
 //!
 //! - [`Fault::Pass`]: forward as it comes.
-//! - [`Fault::Delay`]: hold each chunk this long before forwarding it (added latency; order kept).
+//! - [`Fault::Delay`]: forward each chunk this long after it was read: latency, with chunks in
+//!   flight overlapping as on a real link (order kept).
 //! - [`Fault::BlackHole`]: stop forwarding in both directions without closing anything, as a
 //!   dropped route or a firewall that forgot the flow does: no FIN, no RST, not even for a side
 //!   that closes meanwhile. What was read is held and goes on once the link passes again. New
@@ -57,6 +58,7 @@ pub struct Proxy {
     accepted: Arc<AtomicU64>,
     /// Bytes read from clients so far (whatever the fault does with them next).
     from_clients: Arc<AtomicU64>,
+    held: Held,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -73,17 +75,19 @@ impl Proxy {
         let (resets, _) = watch::channel(0u64);
         let accepted = Arc::new(AtomicU64::new(0));
         let from_clients = Arc::new(AtomicU64::new(0));
-        let (f, r, n, b) = (
+        let held = Held::default();
+        let (f, r, n, b, h) = (
             fault.clone(),
             resets.clone(),
             accepted.clone(),
             from_clients.clone(),
+            held.clone(),
         );
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let id = n.fetch_add(1, Ordering::Relaxed);
                 let (f, r) = (f.subscribe(), r.subscribe());
-                tokio::spawn(connection(client, id, target, f, r, b.clone()));
+                tokio::spawn(connection(client, id, target, f, r, b.clone(), h.clone()));
             }
         });
         Self {
@@ -92,6 +96,7 @@ impl Proxy {
             resets,
             accepted,
             from_clients,
+            held,
             accept,
         }
     }
@@ -157,6 +162,17 @@ impl Proxy {
     pub fn bytes_from_clients(&self) -> u64 {
         self.from_clients.load(Ordering::Relaxed)
     }
+
+    /// The most chunks the proxy has held at once, read and not yet forwarded (over all its
+    /// connections and both directions): above one only if a delay lets chunks overlap.
+    pub fn most_chunks_held(&self) -> u64 {
+        self.held.most.load(Ordering::Relaxed)
+    }
+
+    /// The longest the proxy has held a chunk, from reading it to forwarding it.
+    pub fn longest_hold(&self) -> Duration {
+        Duration::from_micros(self.held.longest_micros.load(Ordering::Relaxed))
+    }
 }
 
 impl Drop for Proxy {
@@ -173,6 +189,7 @@ async fn connection(
     fault: watch::Receiver<Faults>,
     mut resets: watch::Receiver<u64>,
     from_clients: Arc<AtomicU64>,
+    held: Held,
 ) {
     resets.mark_unchanged();
     let replication = Arc::new(AtomicBool::new(false));
@@ -182,6 +199,7 @@ async fn connection(
         fault,
         replication: replication.clone(),
         from_clients,
+        held,
     };
     if link.passable().await.is_none() {
         return;
@@ -217,6 +235,50 @@ struct Link {
     replication: Arc<AtomicBool>,
     /// The proxy's count of bytes read from clients.
     from_clients: Arc<AtomicU64>,
+    /// The proxy's count of chunks read and not yet forwarded.
+    held: Held,
+}
+
+/// Chunks read and not yet forwarded, over all connections: the most there were at once, and
+/// the longest one was held.
+#[derive(Clone, Default)]
+struct Held {
+    now: Arc<AtomicU64>,
+    most: Arc<AtomicU64>,
+    longest_micros: Arc<AtomicU64>,
+}
+
+impl Held {
+    /// Counts a chunk read at `arrived` as held until the guard is dropped (forwarded, or
+    /// dropped with its connection).
+    fn hold(&self, arrived: tokio::time::Instant) -> HeldChunk {
+        let now = self.now.fetch_add(1, Ordering::Relaxed) + 1;
+        self.most.fetch_max(now, Ordering::Relaxed);
+        HeldChunk {
+            held: self.clone(),
+            arrived,
+        }
+    }
+}
+
+/// One chunk the proxy holds: counted in [`Held`] until dropped.
+struct HeldChunk {
+    held: Held,
+    arrived: tokio::time::Instant,
+}
+
+impl HeldChunk {
+    /// The chunk went on: how long it was held counts.
+    fn forwarded(self) {
+        let held = self.arrived.elapsed().as_micros() as u64;
+        self.held.longest_micros.fetch_max(held, Ordering::Relaxed);
+    }
+}
+
+impl Drop for HeldChunk {
+    fn drop(&mut self) {
+        self.held.now.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Link {
@@ -246,44 +308,76 @@ fn asks_for_replication(bytes: &[u8]) -> bool {
     bytes.windows(12).any(|w| w == b"replication\0")
 }
 
-/// Forwards one direction (`up`: from the client).
+/// Forwards one direction (`up`: from the client) as a link with latency does: a reader takes
+/// each chunk as it comes and stamps it, a forwarder sends it on at its stamp plus the delay,
+/// so chunks in flight overlap and a delay adds to each chunk's latency once, whatever the
+/// number of chunks a message was read in. (Holding each chunk in turn instead made a write
+/// read in four chunks take four delays: the SIGTERM test's write outlived the command
+/// timeout that way.) A black hole stops the reader too, so the sender's socket fills as it
+/// would behind a dead route.
 async fn pump(
     mut from: tokio::net::tcp::ReadHalf<'_>,
     mut to: tokio::net::tcp::WriteHalf<'_>,
-    mut link: Link,
+    link: Link,
     up: bool,
 ) {
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut chunks = 0;
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => 0,
-            Ok(n) => n,
-        };
-        // The SSL request, then the startup message: the first chunks say what this is.
-        if up && chunks < 3 && asks_for_replication(&buf[..n]) {
-            link.replication.store(true, Ordering::Relaxed);
-        }
-        if up {
-            link.from_clients.fetch_add(n as u64, Ordering::Relaxed);
-        }
-        chunks += 1;
-        let Some(delay) = link.passable().await else {
-            return;
-        };
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
-            // The fault may have turned into a black hole while this chunk waited.
-            if link.passable().await.is_none() {
+    // At most this many chunks in flight per direction: a window, as TCP's is.
+    let (tx, mut rx) =
+        tokio::sync::mpsc::channel::<(tokio::time::Instant, Vec<u8>, Option<HeldChunk>)>(64);
+    let mut reader_link = link.clone();
+    let read = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut chunks = 0;
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => 0,
+                Ok(n) => n,
+            };
+            let arrived = tokio::time::Instant::now();
+            // The SSL request, then the startup message: the first chunks say what this is.
+            if up && chunks < 3 && asks_for_replication(&buf[..n]) {
+                reader_link.replication.store(true, Ordering::Relaxed);
+            }
+            if up {
+                reader_link
+                    .from_clients
+                    .fetch_add(n as u64, Ordering::Relaxed);
+            }
+            chunks += 1;
+            if reader_link.passable().await.is_none() {
+                return;
+            }
+            // The end of the stream (n == 0) is no chunk: not counted.
+            let held = (n > 0).then(|| reader_link.held.hold(arrived));
+            if tx.send((arrived, buf[..n].to_vec(), held)).await.is_err() || n == 0 {
                 return;
             }
         }
-        if n == 0 {
-            let _ = to.shutdown().await;
-            return;
+    };
+    let mut link = link;
+    let forward = async move {
+        while let Some((arrived, bytes, held)) = rx.recv().await {
+            let Some(delay) = link.passable().await else {
+                return;
+            };
+            if !delay.is_zero() {
+                tokio::time::sleep_until(arrived + delay).await;
+                // The fault may have turned into a black hole while this chunk waited.
+                if link.passable().await.is_none() {
+                    return;
+                }
+            }
+            if bytes.is_empty() {
+                let _ = to.shutdown().await;
+                return;
+            }
+            if to.write_all(&bytes).await.is_err() {
+                return;
+            }
+            if let Some(held) = held {
+                held.forwarded();
+            }
         }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
+    };
+    tokio::join!(read, forward);
 }

@@ -23,3 +23,28 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Tasks the relay's stream (not its poller) has delivered: the count of
+/// `outbox_delivery_latency_seconds`, which only the stream observes (`outbox_events_published_total`
+/// counts the poller's too).
+pub async fn stream_delivered(relay: &super::Relay) -> f64 {
+    let (_, text) = super::http_get(relay.http, "/metrics").await;
+    super::metric_value(&text, "outbox_delivery_latency_seconds_count").unwrap_or(0.0)
+}
+
+/// Waits until the relay's stream delivers a row committed after WAL position `lsn`: first its
+/// acknowledgement reaches `lsn` (so every row committed before it was confirmed and counted),
+/// then the stream's count grows. A stream that decodes on but sends nothing (PostgreSQL 18
+/// without its publication) acknowledges past `lsn` and never passes the second wait.
+pub async fn stream_delivers_after(relay: &super::Relay, lsn: u64) {
+    eventually("the stream acknowledges past the position", || async {
+        (relay.metrics.acked_lsn.get() >= lsn).then_some(())
+    })
+    .await;
+    let delivered = stream_delivered(relay).await;
+    eventually("the stream delivers a row committed after it", || async {
+        (relay.metrics.stream_up.get() == 1 && stream_delivered(relay).await > delivered)
+            .then_some(())
+    })
+    .await;
+}

@@ -130,7 +130,21 @@ impl Checker {
     /// Once faults stopped and the relays had time: every row delivered exactly once and
     /// settled, or (bad or refused) left to the poller; per queue, the stream's first enqueues
     /// in commit order.
-    pub fn at_end(&self, st: &State) {
+    /// The end state; with `can_catch_up` (the stream can notice a dead link), also liveness.
+    pub fn at_end(&self, st: &State, can_catch_up: bool) {
+        // Liveness: after the quiet end the stream has caught up, its slot acknowledged past the
+        // last commit with outbox rows (a stream stuck retrying, its rows delivered by the
+        // recovery poller instead, would pin WAL for ever).
+        let last = st.wal.iter().rev().find(|t| !t.rows.is_empty());
+        if let (true, Some(confirmed), Some(last)) = (can_catch_up, st.slot_confirmed(), last) {
+            if confirmed < last.end_lsn {
+                self.violate(format!(
+                    "the stream never caught up: the slot is acknowledged to {confirmed} after \
+                     the quiet end, behind the last commit {}",
+                    last.end_lsn
+                ));
+            }
+        }
         let vk = self.valkey.st.lock().unwrap();
         let mut created: BTreeMap<(&str, &str), (usize, Writer)> = BTreeMap::new();
         for (i, c) in vk.created.iter().enumerate() {

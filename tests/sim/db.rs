@@ -83,6 +83,21 @@ struct Walsender {
     pending_ack: Option<Lsn>,
 }
 
+impl State {
+    /// Whether the link of walsender `session` is cut.
+    pub fn is_cut(&self, session: u64) -> bool {
+        self.walsenders.get(&session).is_some_and(|w| w.cut)
+    }
+
+    /// The slot's confirmed position, if the slot exists and is valid.
+    pub fn slot_confirmed(&self) -> Option<Lsn> {
+        self.slot
+            .as_ref()
+            .filter(|s| !s.invalidated)
+            .map(|s| s.confirmed)
+    }
+}
+
 #[derive(Debug)]
 pub struct State {
     pub rows: BTreeMap<i64, Row>,
@@ -99,6 +114,9 @@ pub struct State {
     pub can_see_replies: bool,
     /// Rows are deleted instead of marked published.
     pub delete_delivered: bool,
+    /// How often an idle walsender sends a keepalive (wal_sender_timeout / 2 on a real
+    /// server).
+    pub keepalive_every: Duration,
 }
 
 /// Clones share one server.
@@ -128,6 +146,7 @@ impl SimDb {
                 sql_down_until: None,
                 can_see_replies: true,
                 delete_delivered: false,
+                keepalive_every: KEEPALIVE_EVERY,
             })),
             changed: Arc::new(watch::channel(0).0),
             checker,
@@ -356,6 +375,7 @@ impl SlotPort for SimPort {
         );
         st.slot.as_mut().expect("checked").holder = Some(id);
         let cursor = st.wal.partition_point(|t| t.end_lsn <= from);
+        let keepalive_every = st.keepalive_every;
         drop(st);
         *self.last_session.lock().unwrap() = Some(id);
         let db = self.db.clone();
@@ -373,7 +393,7 @@ impl SlotPort for SimPort {
             queue: VecDeque::new(),
             relation_sent: false,
             changed: self.db.changed.subscribe(),
-            keepalive_at: Instant::now() + KEEPALIVE_EVERY,
+            keepalive_at: Instant::now() + keepalive_every,
             ticker,
         }))
     }
@@ -466,7 +486,11 @@ impl SimSource {
             return false;
         };
         self.cursor += 1;
-        let server_time = txn.commit_micros - PG_EPOCH_UNIX_MICROS + 500;
+        // The walsender sends the transaction now (this read), decoding it half a millisecond
+        // after its commit at the earliest: a backlog read after an outage is behind, as on a
+        // real server, so the session's linger path runs in the simulation too.
+        let sent_micros = self.db.checker.sim_micros().max(txn.commit_micros + 500);
+        let server_time = sent_micros - PG_EPOCH_UNIX_MICROS;
         let commit_time = txn.commit_micros - PG_EPOCH_UNIX_MICROS;
         self.queue.push_back(ReplicationEvent::Begin {
             final_lsn: txn.end_lsn,
@@ -531,7 +555,7 @@ impl ReplicationSource for SimSource {
                         continue;
                     }
                     if Instant::now() >= self.keepalive_at {
-                        self.keepalive_at = Instant::now() + KEEPALIVE_EVERY;
+                        self.keepalive_at = Instant::now() + st.keepalive_every;
                         return Ok(Some(ReplicationEvent::KeepAlive {
                             wal_end: Lsn(st.lsn),
                             reply_requested: false,
@@ -573,6 +597,13 @@ impl ReplicationSource for SimSource {
 
     async fn shutdown(&mut self) {
         self.db.status_update(self.id);
+    }
+
+    /// What the server says over SQL: the simulated walsender sends each transaction whole, so
+    /// it is never busy inside one record; it is waiting (a cut link's included). Unknown while
+    /// SQL is down, which the session takes for a dead link.
+    async fn walsender_busy(&self) -> Option<bool> {
+        self.db.sql().ok().map(|()| false)
     }
 }
 

@@ -6,9 +6,10 @@
 //! ([`db`]) and Valkey ([`valkey`]) on one thread, on tokio's paused clock: time moves only when
 //! every task waits, and one seed drives every choice — the workload (transactions of random
 //! sizes over several queues, bad rows, rollbacks, other tables' WAL), every fault (Valkey down,
-//! hanging, replies lost, partial success, queues refusing, OOM; SQL down; SIGTERM, crashes,
-//! links cut into zombie walsenders, slots dropped or invalidated) and the relays' settings. The
-//! checker ([`check`]) runs at every acknowledgement and every mark, and at the end.
+//! hanging, black-holed, replies lost, partial success, queues refusing, OOM, memory flapping
+//! at maxmemory; SQL down; SIGTERM, crashes, links cut into zombie walsenders, slots dropped or invalidated)
+//! and the relays' settings. The checker ([`check`]) runs at every acknowledgement and every
+//! mark, and at the end.
 //!
 //! A failure names its seed; `cargo run --example simulate -- --seed N` replays it.
 
@@ -110,6 +111,8 @@ struct Knobs {
     max_inflight: usize,
     delete_delivered: bool,
     nodes: usize,
+    /// The stream's receive deadline (`OUTBOX_LINK_TIMEOUT`), or none.
+    link_timeout: Option<Duration>,
 }
 
 /// One relay process: its stream, marker and poller.
@@ -161,11 +164,25 @@ impl World {
             max_inflight: rng.random_range(1..=4),
             delete_delivered: rng.random_bool(0.3),
             nodes: if rng.random_bool(0.4) { 2 } else { 1 },
+            // From a generator of its own, so that every other choice of a seed stays as it
+            // was before this knob existed. Short enough to end a cut link within the
+            // scenario's few seconds (nodes restart often); the simulated walsender then sends
+            // keepalives three times as often, as a real one sends them every
+            // wal_sender_timeout / 2 below the deadline an operator sets: an idle link is never
+            // silent for the whole deadline, a cut one is.
+            link_timeout: {
+                let mut r = SmallRng::seed_from_u64(seed ^ 0x11_4b);
+                r.random_bool(0.5)
+                    .then(|| Duration::from_millis(*[200, 1000].get(r.random_range(0..2)).unwrap()))
+            },
         };
         {
             let mut st = db.st.lock().unwrap();
             st.delete_delivered = knobs.delete_delivered;
             st.can_see_replies = rng.random_bool(0.8);
+            if let Some(t) = knobs.link_timeout {
+                st.keepalive_every = t / 3;
+            }
         }
         // Each node's stream holds at most max_inflight batches (each within the byte bound
         // plus one task), and its poller one chunk: what one process's writes may hold.
@@ -258,8 +275,11 @@ impl World {
                 shutdown_timeout: Duration::from_secs(2),
                 on_slot_lost: OnSlotLost::Recreate,
                 takeover_after: Duration::from_secs(5),
-                // An in-memory source has no link to die.
-                link_timeout: None,
+                // A cut link (a zombie walsender) is silent: with a deadline the session finds
+                // it dead itself, asks the server (the busy probe), and reconnects.
+                link_timeout: self.knobs.link_timeout,
+                // Its publication cannot go missing.
+                publication_check: None,
             },
             tasks: self.tasks.clone(),
             sink: self.valkey.sink(Writer::Stream(idx)),
@@ -434,6 +454,16 @@ impl World {
                     format!("node {idx}'s replication link cut (walsender {s} becomes a zombie)")
                 })
             }
+            95..=96 => {
+                let t = self.until(100, 2000);
+                self.valkey.st.lock().unwrap().oom_flap_until = Some(t);
+                Some("valkey memory flapping at maxmemory (some writes refused)".into())
+            }
+            97 => {
+                let t = self.until(2000, 8000);
+                self.valkey.st.lock().unwrap().black_hole_until = Some(t);
+                Some("valkey link black-holed (writes unanswered until it ends or a reset)".into())
+            }
             85..=94 => {
                 let (_, q) = QUEUES[self.rng.random_range(0..QUEUES.len())];
                 for _ in 0..self.rng.random_range(1..20) {
@@ -476,6 +506,8 @@ impl World {
             vk.down_until = None;
             vk.hang_until = None;
             vk.oom_until = None;
+            vk.oom_flap_until = None;
+            vk.black_hole_until = None;
             vk.reply_lost = 0;
             vk.partial = 0;
             vk.rejecting.clear();
@@ -488,12 +520,23 @@ impl World {
         }
         self.log("faults stop".into());
         tokio::time::sleep(QUIET_END).await;
+        // A session whose replication link is still cut cannot catch up without a receive
+        // deadline (`link_timeout` None): a real relay would notice at the kernel's TCP limits,
+        // which are not modelled. Only then is liveness not checked (found by review: skipping
+        // it for every seed with a cut link left 29% of seeds unchecked).
+        let still_cut = {
+            let st = self.db.st.lock().unwrap();
+            self.nodes
+                .iter()
+                .any(|n| n.session.lock().unwrap().is_some_and(|s| st.is_cut(s)))
+        };
         for i in 0..self.nodes.len() {
             self.stop_node(i).await;
         }
         {
             let st = self.db.st.lock().unwrap();
-            self.checker.at_end(&st);
+            let can_catch_up = self.knobs.link_timeout.is_some() || !still_cut;
+            self.checker.at_end(&st, can_catch_up);
         }
         if !self.checker.violations().is_empty() {
             return Err(self.failure());

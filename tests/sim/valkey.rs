@@ -2,10 +2,15 @@
 //! a write is all or nothing), with faults the scenario switches on: connection failures (every
 //! write issued on the failed connection fails), writes that hang past the writer's timeout,
 //! replies lost after the write applied, partial success across queues, queues that refuse for
-//! good (WRONGTYPE-like) for a while, maxmemory (OOM) windows, and hashes without a pending
-//! entry (tasks a consumer took). It records what the checker needs: first enqueues in order,
+//! good (WRONGTYPE-like) for a while, maxmemory (OOM) windows, memory flapping at `maxmemory`
+//! (some writes refused, the ones pipelined behind them not), and hashes without a pending
+//! entry (tasks a consumer took). The stream's writes are fenced per queue as the real enqueue
+//! script fences them (src/sink/order_chain.rs): a write whose queue's predecessor has not
+//! landed is refused with FENCED. It records what the checker needs: first enqueues in order,
 //! by whom, and the bytes held by writes not yet answered.
 
+use outbox_relay::sink::order_chain::{Link, OrderChain};
+use outbox_relay::sink::valkey::by_queue;
 use outbox_relay::sink::{Batch, Rejected, Sink, SinkError, WriteOutcome};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -34,6 +39,10 @@ pub struct Created {
     pub queue: String,
     pub id: String,
     pub by: Writer,
+    /// When the write that created it was applied (simulated time). Read by
+    /// tests/group_commit.rs only; the example that includes this module does not.
+    #[allow(dead_code)]
+    pub at: Instant,
 }
 
 #[derive(Debug, Default)]
@@ -54,8 +63,23 @@ pub struct State {
     pub down_until: Option<Instant>,
     /// Writes hang until then (the writer's timeout fires first).
     pub hang_until: Option<Instant>,
+    /// The link drops every packet until then: a write sent meanwhile reaches the server only
+    /// when it ends (TCP sends it again), and never if its connection was reset before.
+    pub black_hole_until: Option<Instant>,
+    /// Connections the server dropped (a fault met while applying a write): commands of theirs
+    /// that already arrived die with them. A connection the relay reset is not among them: what
+    /// it had sent and the server had received still applies.
+    pub dropped_by_server: BTreeSet<u64>,
     /// OOM: every script is refused until then.
     pub oom_until: Option<Instant>,
+    /// Memory flapping at `maxmemory` until then: each write is refused (OOM, a server reply:
+    /// the connection stays) or not, at random, so the writes pipelined behind a refused one
+    /// may apply.
+    pub oom_flap_until: Option<Instant>,
+    /// Each queue's order key: the token of the stream's last write that landed on it.
+    pub fence: BTreeMap<String, String>,
+    /// Sinks made so far (their order chains' nonces).
+    pub sinks: u64,
     /// The next n writes apply, then lose their reply (the connection drops).
     pub reply_lost: u32,
     /// The next n writes apply their first queue only, then the connection drops.
@@ -67,19 +91,26 @@ pub struct State {
     /// Writes issued and not answered, by write number: (node, bytes).
     pub outstanding: BTreeMap<u64, (usize, usize)>,
     /// Per node, bytes of abandoned writes still queued on a connection it did not reset.
-    pub stuck: BTreeMap<usize, usize>,
+    /// Writes dropped before their answer and not yet answered by the server: write number ->
+    /// (node, bytes). A reset or the process's exit frees them, and so does the server's answer.
+    pub stuck: BTreeMap<u64, (usize, usize)>,
     /// Per node, its process's incarnation: a process that exited holds nothing any more.
     pub lives: BTreeMap<usize, u64>,
     pub next_write: u64,
     /// The most bytes one process's writes ever held (outstanding + stuck).
     pub peak_bytes: usize,
+    /// The most writes one writer ever had outstanding at once, per writer.
+    pub peak_writes: BTreeMap<String, usize>,
     /// Write latency bounds.
     pub latency: (Duration, Duration),
-    /// When each client's last write reaches the server: one connection's commands are
-    /// applied in the order they were sent.
+    /// When each connection's last write reaches the server (by writer and connection
+    /// generation): one connection's commands are applied in the order they were sent.
     pub lane: BTreeMap<String, Instant>,
-    /// When each client's last held write is released (a hang holds the commands behind it).
+    /// When each connection's last held write is released (a hang holds the commands behind
+    /// it). Two connections of one writer are released independently, in no set order.
     pub released: BTreeMap<String, Instant>,
+    /// Each client's writes issued and not yet answered (or dropped).
+    pub lane_writes: BTreeMap<String, usize>,
     /// What one process's writes may hold at most (outstanding + stuck), and the violations
     /// seen.
     pub bound: usize,
@@ -100,6 +131,8 @@ pub struct SimSink {
     pub by: Writer,
     /// The incarnation of the process it belongs to.
     life: u64,
+    /// The stream's sink only: its writes' places in their queues' order chains.
+    order: Option<OrderChain>,
 }
 
 impl SimValkey {
@@ -117,11 +150,18 @@ impl SimValkey {
     }
 
     pub fn sink(&self, by: Writer) -> SimSink {
-        let life = self.st.lock().unwrap().life(by.node());
+        let mut st = self.st.lock().unwrap();
+        let life = st.life(by.node());
+        st.sinks += 1;
+        // Every node streams the same slot: one stream, one field of the order keys. The
+        // nonce is unique per sink and the same in every replay of a seed.
+        let order = matches!(by, Writer::Stream(_))
+            .then(|| OrderChain::with_nonce("sim".into(), format!("sink{}", st.sinks)));
         SimSink {
             server: self.clone(),
             by,
             life,
+            order,
         }
     }
 
@@ -129,7 +169,7 @@ impl SimValkey {
     pub fn process_exited(&self, node: usize) {
         let mut st = self.st.lock().unwrap();
         *st.lives.entry(node).or_default() += 1;
-        st.stuck.remove(&node);
+        st.stuck.retain(|_, (n, _)| *n != node);
         st.outstanding.retain(|_, (n, _)| *n != node);
     }
 
@@ -157,28 +197,39 @@ impl SimValkey {
 }
 
 /// Removes a write's bytes from `outstanding` when its future ends or is dropped; a dropped
-/// write whose connection was not reset stays queued ("stuck") until it is.
+/// write whose connection was not reset stays queued ("stuck") until it is, or until the server
+/// answers it.
 struct InFlight {
     server: SimValkey,
     write: u64,
     node: usize,
     life: u64,
+    lane: String,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         let mut st = self.server.st.lock().unwrap();
+        if let Some(n) = st.lane_writes.get_mut(&self.lane) {
+            *n -= 1;
+        }
         if let Some((_, bytes)) = st.outstanding.remove(&self.write) {
-            // Dropped before its answer: the bytes stay on the connection until a reset (or
-            // until the process exits).
+            // Dropped before its answer: the bytes stay on the connection until a reset, the
+            // server's answer, or the process's exit.
             if st.life(self.node) == self.life {
-                *st.stuck.entry(self.node).or_default() += bytes;
+                st.stuck.insert(self.write, (self.node, bytes));
             }
         }
     }
 }
 
 impl State {
+    /// The server drops the current connection: its commands still queued die with it.
+    fn drop_connection(&mut self) {
+        self.dropped_by_server.insert(self.epoch);
+        self.epoch += 1;
+    }
+
     fn life(&self, node: usize) -> u64 {
         self.lives.get(&node).copied().unwrap_or(0)
     }
@@ -191,7 +242,13 @@ impl State {
             .filter(|(n, _)| *n == node)
             .map(|(_, b)| b)
             .sum();
-        (outstanding, self.stuck.get(&node).copied().unwrap_or(0))
+        let stuck = self
+            .stuck
+            .values()
+            .filter(|(n, _)| *n == node)
+            .map(|(_, b)| b)
+            .sum();
+        (outstanding, stuck)
     }
 }
 
@@ -203,21 +260,35 @@ impl Sink for SimSink {
         let server = self.server.clone();
         let by = self.by;
         let life = self.life;
+        // Taken when the write is issued, as the real sink does: one script call per queue.
+        let links: Vec<(String, Link)> = match &self.order {
+            Some(order) => by_queue(&batch.tasks)
+                .into_iter()
+                .map(|(q, _)| (q.to_owned(), order.issue(q, 1).remove(0)))
+                .collect(),
+            None => Vec::new(),
+        };
         async move {
             let latency = server.latency();
             let (write, epoch, arrives) = {
                 let mut st = server.st.lock().unwrap();
                 let lane = format!("{by:?}");
+                let connection = format!("{by:?}@{}", st.epoch);
                 let earliest = st
                     .lane
-                    .get(&lane)
+                    .get(&connection)
                     .map_or(Instant::now(), |t| *t + Duration::from_millis(1));
                 let arrives = (Instant::now() + latency).max(earliest);
-                st.lane.insert(lane, arrives);
+                st.lane.insert(connection, arrives);
                 let write = st.next_write;
                 st.next_write += 1;
                 let bytes = batch.bytes + 64 * batch.len();
                 st.outstanding.insert(write, (by.node(), bytes));
+                let lane_writes = st.lane_writes.entry(lane.clone()).or_default();
+                *lane_writes += 1;
+                let now_out = *lane_writes;
+                let peak = st.peak_writes.entry(lane.clone()).or_default();
+                *peak = (*peak).max(now_out);
                 let (outstanding, stuck) = st.held(by.node());
                 let held = outstanding + stuck;
                 st.peak_bytes = st.peak_bytes.max(held);
@@ -233,42 +304,70 @@ impl Sink for SimSink {
                 (write, st.epoch, arrives)
             };
             watch(&batch, by, &|| {
-                format!("issued (write {write}, epoch {epoch})")
+                format!("issued (write {write}, epoch {epoch}, links {links:?})")
             });
             let guard = InFlight {
                 server: server.clone(),
                 write,
                 node: by.node(),
                 life,
+                lane: format!("{by:?}"),
             };
-            tokio::time::sleep_until(arrives).await;
-            // A hanging server holds the write; the connection's later commands wait behind
-            // it (each released after the one before, a millisecond apart: tokio's timer fires
-            // deadlines within one millisecond in no set order), even when the server recovers
-            // meanwhile.
-            let release = {
-                let mut st = server.st.lock().unwrap();
-                let now = Instant::now();
-                let lane = format!("{by:?}");
-                let behind = st
-                    .released
-                    .get(&lane)
-                    .filter(|t| **t >= now)
-                    .map(|t| *t + Duration::from_millis(1));
-                let hang = st.hang_until.filter(|t| *t > now);
-                let release = match (hang, behind) {
-                    (Some(h), Some(b)) => Some(h.max(b)),
-                    (h, b) => h.or(b),
-                };
-                if let Some(r) = release {
-                    st.released.insert(lane, r);
+            // The server's side runs on its own: a write the relay gave up on (its future
+            // dropped) still reaches the server and applies there, unless its connection was
+            // reset first, as pipelined commands do on a real connection.
+            let (answer, answered) = tokio::sync::oneshot::channel();
+            let on_server = server.clone();
+            tokio::spawn(async move {
+                let server = on_server;
+                tokio::time::sleep_until(arrives).await;
+                let hole = server
+                    .st
+                    .lock()
+                    .unwrap()
+                    .black_hole_until
+                    .filter(|t| *t > Instant::now());
+                if let Some(end) = hole {
+                    tokio::time::sleep_until(end).await;
                 }
-                release
-            };
-            if let Some(until) = release {
-                tokio::time::sleep_until(until).await;
-            }
-            let result = apply(&server, &batch, by, epoch);
+                // Received, unless the relay reset its connection before: then it never
+                // arrives. Once received it applies even if the relay resets the connection
+                // while a hang holds it (the server reads what was sent before the close).
+                let arrived = server.st.lock().unwrap().epoch == epoch;
+                // A hanging server holds the write; the connection's later commands wait behind
+                // it (each released after the one before, a millisecond apart: tokio's timer fires
+                // deadlines within one millisecond in no set order), even when the server recovers
+                // meanwhile.
+                let release = {
+                    let mut st = server.st.lock().unwrap();
+                    let now = Instant::now();
+                    let lane = format!("{by:?}@{epoch}");
+                    let behind = st
+                        .released
+                        .get(&lane)
+                        .filter(|t| **t >= now)
+                        .map(|t| *t + Duration::from_millis(1));
+                    let hang = st.hang_until.filter(|t| *t > now);
+                    let release = match (hang, behind) {
+                        (Some(h), Some(b)) => Some(h.max(b)),
+                        (h, b) => h.or(b),
+                    };
+                    if let Some(r) = release {
+                        st.released.insert(lane, r);
+                    }
+                    release
+                };
+                if let Some(until) = release {
+                    tokio::time::sleep_until(until).await;
+                }
+                let result = apply(&server, &batch, by, epoch, arrived, &links);
+                // Answered: a write the relay gave up on holds nothing any more.
+                server.st.lock().unwrap().stuck.remove(&write);
+                let _ = answer.send(result);
+            });
+            let result = answered.await.unwrap_or(Err(SinkError::Simulated(
+                "the server's side of the write ended without an answer",
+            )));
             server.st.lock().unwrap().outstanding.remove(&write);
             drop(guard);
             result
@@ -277,9 +376,26 @@ impl Sink for SimSink {
 
     fn reset(&self) {
         let mut st = self.server.st.lock().unwrap();
-        st.stuck.remove(&self.by.node());
+        let node = self.by.node();
+        st.stuck.retain(|_, (n, _)| *n != node);
         st.epoch += 1;
     }
+
+    fn restart_order(&self) {
+        if let Some(order) = &self.order {
+            order.restart();
+        }
+    }
+}
+
+/// A server's error reply, as the real sink returns it (it does not poison the connection).
+fn server_error(resp: &str) -> SinkError {
+    SinkError::Valkey(
+        redis::parse_redis_value(format!("-{resp}\r\n").as_bytes())
+            .expect("a RESP error")
+            .extract_error()
+            .expect_err("an error reply"),
+    )
 }
 
 /// Triage: `OUTBOX_SIM_WATCH=<event id suffix>[,...]` prints every write that carries one of
@@ -311,8 +427,10 @@ fn apply(
     batch: &Batch,
     by: Writer,
     epoch: u64,
+    arrived: bool,
+    links: &[(String, Link)],
 ) -> Result<WriteOutcome, SinkError> {
-    let result = apply_inner(server, batch, by, epoch);
+    let result = apply_inner(server, batch, by, epoch, arrived, links);
     watch(batch, by, &|| {
         format!("applied (epoch {epoch}): {result:?}")
     });
@@ -324,23 +442,34 @@ fn apply_inner(
     batch: &Batch,
     by: Writer,
     epoch: u64,
+    arrived: bool,
+    links: &[(String, Link)],
 ) -> Result<WriteOutcome, SinkError> {
     let now = Instant::now();
     let mut st = server.st.lock().unwrap();
-    if epoch != st.epoch {
+    if epoch != st.epoch && (!arrived || st.dropped_by_server.contains(&epoch)) {
         return Err(SinkError::Simulated(
             "connection lost (write issued on a dead connection)",
         ));
     }
     if st.down_until.is_some_and(|t| t > now) {
-        st.epoch += 1;
+        st.drop_connection();
         return Err(SinkError::Simulated("connection refused"));
     }
     if st.oom_until.is_some_and(|t| t > now) {
         // Every queue's script refused at its first write: nothing applied. The pipelined
         // writes behind it are refused too (the connection is replaced by the retry).
-        st.epoch += 1;
+        st.drop_connection();
         return Err(SinkError::Simulated("OOM command not allowed"));
+    }
+    if st.oom_flap_until.is_some_and(|t| t > now) {
+        use rand::Rng;
+        if server.rng.lock().unwrap().random_bool(0.5) {
+            // Every queue's script refused at its first write; the connection stays.
+            return Err(server_error(
+                "OOM command not allowed when used memory > 'maxmemory'. (simulated)",
+            ));
+        }
     }
     let lose_reply = st.reply_lost > 0;
     if lose_reply {
@@ -351,18 +480,22 @@ fn apply_inner(
         st.partial -= 1;
     }
     // Queues in order of first appearance, each all or nothing.
-    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
-    for (i, t) in batch.tasks.iter().enumerate() {
-        match groups.iter_mut().find(|(q, _)| *q == &*t.queue) {
-            Some((_, v)) => v.push(i),
-            None => groups.push((&t.queue, vec![i])),
-        }
-    }
+    let groups = by_queue(&batch.tasks);
     let mut out = WriteOutcome::default();
+    let mut fenced = false;
     for (n, (queue, idx)) in groups.iter().enumerate() {
         if partial && n > 0 {
-            st.epoch += 1;
+            st.drop_connection();
             return Err(SinkError::Simulated("connection dropped mid-pipeline"));
+        }
+        // The enqueue script's fence, before anything else of the queue (a queue refusing for
+        // good moves it too: the script sets it before its type check).
+        if let Some((_, link)) = links.iter().find(|(q, _)| q == queue) {
+            if !link.prev.is_empty() && st.fence.get(*queue) != Some(&link.prev) {
+                fenced = true;
+                continue;
+            }
+            st.fence.insert(queue.to_string(), link.token.clone());
         }
         if st.rejecting.get(*queue).is_some_and(|t| *t > now) {
             for &i in idx {
@@ -390,6 +523,7 @@ fn apply_inner(
                     queue: queue.to_string(),
                     id: t.id.clone(),
                     by,
+                    at: Instant::now(),
                 });
                 out.enqueued += 1;
             } else {
@@ -400,8 +534,13 @@ fn apply_inner(
     // Refusals are listed queue by queue, as a sink meets them, not in batch order: the relay
     // must not rely on their order (sorting here hid a bug that marked refused rows published).
     if lose_reply {
-        st.epoch += 1;
+        st.drop_connection();
         return Err(SinkError::Simulated("reply lost (the write applied)"));
+    }
+    if fenced {
+        return Err(server_error(
+            "FENCED the call before this one has not landed (simulated)",
+        ));
     }
     Ok(out)
 }
