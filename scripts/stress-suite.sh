@@ -20,7 +20,8 @@
 # The default binaries are the ones whose tests wait on time, on a server or on another
 # process: the fault scenarios, the stream and the poller, memory, dead links, replicas and
 # takeover, observability (stall, NOTIFY, NOSCRIPT, heartbeats), delivery and refusals, replay,
-# failover, the shared event_id check.
+# failover, the shared event_id check, publications dropped under load, a poller cut off
+# holding locks, the order fence, decoding on a standby.
 set -euo pipefail
 
 SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -61,7 +62,7 @@ done
 if [[ ${#TEST_ARGS[@]} -eq 0 ]]; then
     TEST_ARGS=(--no-fail-fast)
     for t in faults stream poller memory links replicas observability delivery refusals \
-        replay failover shared_event_ids; do
+        replay failover shared_event_ids publication poller_locks order_fence standby; do
         TEST_ARGS+=(--test "$t")
     done
 fi
