@@ -64,6 +64,14 @@ impl ObservedRelay {
         proc_status_kib(&self.process, "VmHWM:")
     }
 
+    /// Open file descriptors (sockets included).
+    pub fn open_fds(&self) -> usize {
+        let pid = self.process.child.id().expect("running");
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+
     pub fn signal(&self, sig: &str) {
         self.process.signal(sig)
     }
