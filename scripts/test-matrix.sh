@@ -9,7 +9,8 @@
 # the stream (tests/stream.rs), the poller (tests/poller.rs), the main fault
 # scenarios (tests/faults.rs; FAULTS_ON=none leaves them out), the failover
 # (tests/failover.rs), decoding on a standby (tests/standby.rs, 16+), a dropped
-# publication (tests/publication.rs) and the runbook's commands (tests/runbook.rs), each version
+# publication (tests/publication.rs), a slot recreated behind the relay's back
+# (tests/slot_recreated.rs) and the runbook's commands (tests/runbook.rs), each version
 # through scripts/test.sh --pg MAJOR --valkey. Then pg_upgrade under the relay
 # (tests/upgrade.rs: 16 to 18 and 17 to 18, with the full installs of
 # scripts/fetch-postgres-full.sh; UPGRADE=off leaves it out), through
@@ -29,7 +30,7 @@ if [[ ${1:-} == -h || ${1:-} == --help ]]; then
 fi
 VERSIONS=("$@")
 [[ ${#VERSIONS[@]} -gt 0 ]] || VERSIONS=(14 16 17 18)
-CORE=(--no-fail-fast --test stream --test poller --test failover --test standby --test publication --test runbook)
+CORE=(--no-fail-fast --test stream --test poller --test failover --test standby --test publication --test slot_recreated --test runbook)
 # The fault scenarios (about 110 s a version here) run on every version: FAULTS_ON=all, or one
 # major (e.g. FAULTS_ON=17), or none, from the environment.
 FAULTS_ON=${FAULTS_ON:-all}

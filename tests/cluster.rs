@@ -120,9 +120,12 @@ async fn tasks_of_three_queues_land_on_three_shards_exactly_once() {
         &outbox_relay::pgoutput::TableName::parse("outbox_events").unwrap(),
         "outbox_relay",
         &db.slot,
+        relay.http,
     )
     .await
     .unwrap();
+    assert_eq!(status.relay.stream_up, Some(true), "{:?}", status.relay);
+    assert!(status.warnings.is_empty(), "{:?}", status.warnings);
     let lengths: HashMap<String, i64> = status
         .queues
         .expect("status reaches the cluster")

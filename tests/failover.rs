@@ -156,6 +156,38 @@ async fn a_promoted_standby_takes_over_and_nothing_is_lost() {
         "the promotion is reported as a timeline change"
     );
     assert_eq!(metrics.timeline.get(), 2);
+    let warned = logged(&db.slot, "postgres timeline changed");
+    assert!(!warned.is_empty(), "the promotion is logged as a warning");
+
+    // `status` on the new primary, with the running relay's view.
+    let status = outbox_relay::status::collect(
+        &connect(&multi.url).await,
+        None,
+        &outbox_relay::pgoutput::TableName::parse("outbox_events").unwrap(),
+        "outbox_relay",
+        &db.slot,
+        relay.http,
+    )
+    .await
+    .unwrap();
+    println!("{}", outbox_relay::status::render(&status));
+    assert_eq!((status.server.role, status.server.timeline), ("primary", 2));
+    assert_eq!(status.relay.timeline, Some(2), "{:?}", status.relay);
+    assert!(
+        status
+            .relay
+            .slot_changes
+            .get("timeline")
+            .copied()
+            .unwrap_or(0)
+            >= 1,
+        "{:?}",
+        status.relay
+    );
+    assert!(status.warnings.is_empty(), "{:?}", status.warnings);
+    // The flag exists from 17; the relay asks for it there.
+    let expected_flag = failover_slots.then_some(true);
+    assert_eq!(status.slot.failover, expected_flag, "{:?}", status.slot);
     if failover_slots {
         // The stream went on from the synced slot: never lost, nothing from the poller, and
         // synchronized_standby_slots kept the relay from seeing a commit the standby lacked.

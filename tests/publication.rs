@@ -94,6 +94,9 @@ async fn a_publication_dropped_and_recreated_under_load_heals() {
     // Before 18 healed once, not retried in a loop; from 18 the slot is kept.
     let expected = u64::from(major < 18);
     assert_eq!(relay.metrics.publication_recreated.get(), expected);
+    // Said when the slot is recreated (again if a try failed), never from 18.
+    let said = logged(&db.slot, "PUBLICATION DROPPED BEHIND THE SLOT");
+    assert_eq!(!said.is_empty(), major < 18, "{said:?}");
     assert_eq!(relay.metrics.slot_lost.get(), 0);
     println!(
         "PUBLICATION-RECREATED pg={major} slot_recreated={} committed={}",
@@ -164,6 +167,8 @@ async fn a_publication_dropped_under_load_is_created_again() {
         1,
         "created again once"
     );
+    let said = logged(&db.slot, "PUBLICATION WAS MISSING");
+    assert_eq!(said.len(), 1, "said once: {said:?}");
     assert_eq!(relay.metrics.slot_lost.get(), 0);
     let slot_recreated = relay.metrics.publication_recreated.get();
     if major >= 18 {

@@ -84,6 +84,7 @@ async fn the_relay_follows_a_sentinel_failover_under_load() {
         &outbox_relay::pgoutput::TableName::parse("outbox_events").unwrap(),
         "outbox_relay",
         &db.slot,
+        relay.http,
     )
     .await
     .unwrap();

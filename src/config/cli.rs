@@ -69,6 +69,11 @@ pub struct StatusArgs {
     /// The replication slot.
     #[arg(long, env = "OUTBOX_SLOT", default_value = "outbox_relay", value_parser = parse_identifier)]
     pub slot: String,
+    /// The running relay's HTTP endpoint (the `run` setting of the same name): its /metrics
+    /// show what it saw (timeline, slot changes, acknowledged position). Unreachable is
+    /// reported, not an error.
+    #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9187")]
+    pub metrics_addr: std::net::SocketAddr,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,

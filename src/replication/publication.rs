@@ -88,11 +88,16 @@ pub async fn recreate_slot(
 
 /// Creates the publication again through `port` when it is missing; counts it in
 /// `outbox_publication_restored_total` and says so. `Ok(true)` when this call created it.
-pub async fn restore<P: SlotPort>(port: &P, metrics: &Metrics) -> Result<bool, StreamError> {
+pub async fn restore<P: SlotPort>(
+    port: &P,
+    slot: &str,
+    metrics: &Metrics,
+) -> Result<bool, StreamError> {
     let created = port.restore_publication().await?;
     if created {
         metrics.publication_restored.inc();
         tracing::error!(
+            slot = %slot,
             publication = %port.publication(),
             "PUBLICATION WAS MISSING (dropped): created it again, inserts of the outbox table \
              only; rows committed while it was missing never come from the stream, the recovery \
@@ -131,7 +136,7 @@ pub async fn watch<P: SlotPort>(
         }
         let once = async {
             if restore_missing {
-                restore(port, metrics).await.map(|_| false)
+                restore(port, slot, metrics).await.map(|_| false)
             } else {
                 port.publication_missing().await
             }
@@ -151,6 +156,7 @@ pub async fn watch<P: SlotPort>(
         };
         if let Ok(Ok(true)) = result {
             tracing::error!(
+                slot = %slot,
                 publication = %port.publication(),
                 "PUBLICATION WAS DROPPED: OUTBOX_ON_SLOT_LOST=stop, so the relay does not create it \
                  again and stops; events committed since the drop did not come from the stream \

@@ -12,8 +12,9 @@
 //!   delivers them from the table.
 //!
 //! Each finding is logged at warn level and counted in `outbox_slot_changes_total{kind}`;
-//! `outbox_postgres_timeline` is the timeline of the last check, and `outbox-relay status`
-//! shows the timeline and the slot's failover/synced flags.
+//! `outbox_postgres_timeline` is the timeline of the last check. `outbox-relay status` shows the
+//! server's timeline and the slot's failover/synced flags beside these two metrics (read from
+//! the running relay), and says when the slot is past the relay's acknowledgement.
 
 use crate::metrics::{KindLabel, Metrics};
 use pgwire_replication::Lsn;
@@ -135,23 +136,28 @@ pub fn compare(
     found
 }
 
+/// The server's timeline, as an SQL expression (an `int`). A primary's is the first 8 hex digits
+/// of its current WAL file's name; a standby's is the one its WAL receiver receives (or replays,
+/// without a receiver). `outbox-relay status` shows the same.
+pub const TIMELINE_SQL: &str = "CASE WHEN pg_is_in_recovery() \
+         THEN coalesce((SELECT received_tli FROM pg_stat_wal_receiver), \
+                       (SELECT timeline_id FROM pg_control_checkpoint())) \
+         ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int \
+    END";
+
 /// Reads the server's identity and timeline and the slot's position; `None` without the slot.
 pub async fn observe(
     client: &Client,
     slot: &str,
 ) -> Result<Option<Observation>, tokio_postgres::Error> {
-    // A primary's timeline is the first 8 hex digits of its current WAL file's name; a
-    // standby's is the one its WAL receiver receives (or replays, without a receiver).
     let row = client
         .query_opt(
-            "SELECT (SELECT system_identifier FROM pg_control_system()), \
-                    CASE WHEN pg_is_in_recovery() \
-                         THEN coalesce((SELECT received_tli FROM pg_stat_wal_receiver), \
-                                       (SELECT timeline_id FROM pg_control_checkpoint())) \
-                         ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int \
-                    END, \
-                    coalesce(s.confirmed_flush_lsn::text, '0/0') \
-             FROM pg_replication_slots s WHERE s.slot_name = $1",
+            format!(
+                "SELECT (SELECT system_identifier FROM pg_control_system()), {TIMELINE_SQL}, \
+                        coalesce(s.confirmed_flush_lsn::text, '0/0') \
+                 FROM pg_replication_slots s WHERE s.slot_name = $1"
+            )
+            .as_str(),
             &[&slot],
         )
         .await?;

@@ -328,7 +328,7 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         }
         // The publication first, if it is still missing (counted as the watch counts it);
         // recreating the slot checks it again.
-        let restored = match publication::restore(&self.port, &self.metrics).await {
+        let restored = match publication::restore(&self.port, slot, &self.metrics).await {
             Ok(_) => self.port.recreate().await,
             Err(e) => Err(e),
         };
@@ -382,11 +382,23 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         streamed: &mut bool,
     ) -> Result<SessionEnd, StreamError> {
         let start = self.slot_position().await?;
-        self.slot_watch.check(
+        let found = self.slot_watch.check(
             self.port.observe().await,
             &self.settings.slot,
             &self.metrics,
         );
+        // A slot ahead of the acknowledgement skips the events in between, as a lost slot does:
+        // a relay that must never skip events itself stops (found by writing its test).
+        let skipped = found
+            .iter()
+            .any(|f| matches!(f, super::slot_watch::Finding::Ahead { .. }));
+        if skipped && self.settings.on_slot_lost == OnSlotLost::Stop {
+            return Err(StreamError::SlotLost {
+                slot: self.settings.slot.clone(),
+                why: "ahead of the relay's acknowledgement (recreated or advanced behind its \
+                      back): streaming from it would skip the events in between",
+            });
+        }
         let Some(mut source) = self.port.open(start, shutdown).await? else {
             return Ok(SessionEnd::Shutdown);
         };

@@ -5,6 +5,7 @@
 
 use super::databases::TestDb;
 use super::http::http_get;
+use super::logs::init_logs;
 use super::servers::{tmp_dir, Redis};
 use super::waits::PATIENCE;
 use clap::{CommandFactory, FromArgMatches};
@@ -321,18 +322,4 @@ impl RelayProcess {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
-}
-
-/// Relay logs to the test output (shown for failing tests).
-pub fn init_logs() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(
-                tracing_subscriber::EnvFilter::try_from_env("OUTBOX_LOG")
-                    .unwrap_or_else(|_| "info".into()),
-            )
-            .with_test_writer()
-            .try_init();
-    });
 }
