@@ -1,8 +1,11 @@
 //! Dead links: each link of the relay (the replication connection, the SQL pool, Valkey)
-//! black-holed through the fault proxy (tests/common/proxy.rs) under load. Each test waits for
-//! the relay to notice (its counters and `/readyz`), lets the link pass again, waits for the
-//! relay to recover, and then checks with the fault suite's checker that every committed event
-//! was delivered. Detection and recovery times are printed (`LINK-TIMES ...`), never asserted.
+//! black-holed under load, through the fault proxy (tests/common/proxy.rs) and in the kernel
+//! (iptables `DROP`, which only the socket options or the relay's own deadlines can find); a
+//! stalled walsender; and added latency, which must not be taken for a dead link. Each test
+//! waits for the relay to notice (its counters and `/readyz`), lets the link pass again, waits
+//! for the relay to recover, and then checks with the fault suite's checker that every committed
+//! event was delivered. Detection and recovery times are printed (`LINK-TIMES ...`), never
+//! asserted.
 
 mod common;
 
@@ -483,7 +486,8 @@ async fn a_long_table_rewrite_is_not_taken_for_a_dead_link() {
     relay.stop().await;
 }
 
-/// iptables rules dropping one loopback TCP flow (both directions), removed when dropped.
+/// iptables rules dropping every loopback TCP packet to or from one port (both directions of
+/// each flow with that end), removed when dropped.
 struct KernelBlackHole {
     port: u16,
 }
@@ -506,7 +510,8 @@ impl KernelBlackHole {
         }
     }
 
-    /// Drops every packet of the loopback flow whose client end is `port`.
+    /// Drops every packet of the loopback flows with an end at `port`: one client's flow (its
+    /// port), or a whole server (its listening port).
     fn cut(port: u16) -> Self {
         Self::iptables("-I", port);
         Self { port }
@@ -712,4 +717,227 @@ async fn a_link_given_up_by_the_monitor_keeps_the_streams_order() {
          {pending:?}",
         a[0]
     );
+}
+
+/// The port of a `redis://host:port` URL.
+fn url_port(url: &str) -> u16 {
+    url::Url::parse(url)
+        .unwrap()
+        .port()
+        .expect("a port in the URL")
+}
+
+/// The relay's established TCP sockets (in this process: the relay runs in-process) whose local
+/// port is one of `ports`, from /proc/net/tcp (state 01).
+fn established(ports: &[u16]) -> Vec<u16> {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            let local = u16::from_str_radix(cols.get(1)?.rsplit(':').next()?, 16).ok()?;
+            (cols.get(3) == Some(&"01") && ports.contains(&local)).then_some(local)
+        })
+        .collect()
+}
+
+/// Valkey black-holed in the KERNEL (iptables DROP of every packet to and from its port: no
+/// FIN, no RST, new connections' SYNs unanswered) under load: the relay's writes time out, the
+/// acknowledgement holds, `/readyz` says so, and once the route is back the relay reconnects by
+/// itself and delivers everything. The proxy variant is
+/// `a_black_holed_valkey_holds_the_acknowledgement_and_heals_under_load`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kernel_black_hole_on_valkey_holds_the_acknowledgement_and_heals() {
+    let db = TestDb::new("l_kvalkey").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &FLAGS)).await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    delivering(&relay).await;
+
+    let hole = KernelBlackHole::cut(url_port(&redis.url));
+    let errors = relay.metrics.write_errors.get();
+    let detected = until("valkey writes time out", async || {
+        relay.metrics.write_errors.get() > errors
+    })
+    .await;
+    let not_ready = until("/readyz says valkey is unreachable", async || {
+        let (status, body) = relay.get("/readyz").await;
+        status == 503 && body.contains("valkey unreachable")
+    })
+    .await;
+    // Nothing committed now can be confirmed by Valkey: the slot stays behind it.
+    let inside = db.current_lsn().await;
+    let errors = relay.metrics.write_errors.get();
+    while relay.metrics.write_errors.get() < errors + 2 {
+        assert!(
+            relay.metrics.acked_lsn.get() < inside,
+            "acknowledged past a commit Valkey never confirmed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(hole);
+    let recovered = until("/readyz is ready again", async || ready(&relay).await).await;
+    delivering(&relay).await;
+    let result = load.stop().await;
+    println!(
+        "LINK-TIMES link=valkey_kernel detected_after_ms={} not_ready_after_ms={} \
+         recovered_after_ms={}",
+        detected.as_millis(),
+        (detected + not_ready).as_millis(),
+        recovered.as_millis()
+    );
+    let v = verify("kernel_black_holed_valkey", &redis, &result, 1, 0).await;
+    assert!(v.ok(), "{v}");
+    relay.stop().await;
+}
+
+/// The relay's SQL connections black-holed in the KERNEL under load (iptables DROP of each of
+/// their flows; connections opened afterwards get through, as after a route that changed):
+/// `TCP_USER_TIMEOUT` and keepalive close every one of them (a marker or poller query waiting
+/// on one would otherwise wait for the kernel's retransmission limit, about 15 minutes, and an
+/// idle pooled one for ever), the pool opens new ones, and nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kernel_black_hole_on_the_sql_connections_is_closed_by_the_socket_options() {
+    let db = TestDb::new("l_ksql").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &FLAGS)).await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    delivering(&relay).await;
+
+    let ports: Vec<u16> = db
+        .client()
+        .await
+        .query(
+            "SELECT client_port FROM pg_stat_activity WHERE datname = $1 \
+             AND application_name = $2 AND backend_type = 'client backend'",
+            &[&db.name, &outbox_relay::postgres::APPLICATION_NAME],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, i32>(0) as u16)
+        .collect();
+    assert!(!ports.is_empty(), "the relay has SQL connections");
+    // This process's sockets (one may have been recycled since the query).
+    assert!(!established(&ports).is_empty(), "{ports:?}");
+    let holes: Vec<KernelBlackHole> = ports.iter().map(|p| KernelBlackHole::cut(*p)).collect();
+    let closed = until("every black-holed SQL socket is closed", async || {
+        established(&ports).is_empty()
+    })
+    .await;
+    delivering(&relay).await;
+    drop(holes);
+    let result = load.stop().await;
+    println!(
+        "LINK-TIMES link=sql_kernel connections={} closed_after_ms={} sql_links_found_dead={}",
+        ports.len(),
+        closed.as_millis(),
+        link_failures(&relay, "postgres")
+    );
+    let v = verify("kernel_black_holed_sql", &redis, &result, 1, 0).await;
+    assert!(v.ok(), "{v}");
+    relay.stop().await;
+}
+
+/// Added latency on every link (100 ms each way on both Postgres links through the proxy, and
+/// on Valkey through another) under load is slowness, not a dead link: no link is found dead,
+/// the stream never reconnects, `/readyz` stays ready, and nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn added_latency_on_every_link_is_not_taken_for_a_dead_one() {
+    let db = TestDb::new("l_latency").await;
+    let redis = Redis::start();
+    let pg_proxy = Proxy::in_front_of(&db.url).await;
+    let valkey_proxy = Proxy::in_front_of(&redis.url).await;
+    let relay = Relay::start_streaming(run_args(
+        &through(&db, &pg_proxy),
+        &valkey_proxy.url_through(&redis.url),
+        &FLAGS,
+    ))
+    .await;
+    let load = Load::start(&db.url, LoadSpec::default());
+    delivering(&relay).await;
+    let reconnects = relay.postgres_reconnects();
+
+    let delay = Duration::from_millis(100);
+    pg_proxy.set(Fault::Delay(delay));
+    valkey_proxy.set(Fault::Delay(delay));
+    // Several link timeouts (3 s) and health checks (500 ms) of slow links, delivering.
+    let slow_since = Instant::now();
+    while slow_since.elapsed() < Duration::from_secs(10) {
+        delivering(&relay).await;
+        assert!(ready(&relay).await, "{:?}", relay.get("/readyz").await);
+    }
+    pg_proxy.set(Fault::Pass);
+    valkey_proxy.set(Fault::Pass);
+    delivering(&relay).await;
+    let result = load.stop().await;
+    for link in ["replication", "postgres", "valkey"] {
+        assert_eq!(link_failures(&relay, link), 0, "{link} taken for dead");
+    }
+    assert_eq!(
+        relay.postgres_reconnects(),
+        reconnects,
+        "the stream reconnected"
+    );
+    let v = verify("added_latency", &redis, &result, 1, 0).await;
+    assert!(v.ok(), "{v}");
+    relay.stop().await;
+}
+
+/// A stalled walsender (SIGSTOP: the kernel still acknowledges every packet, so
+/// `TCP_USER_TIMEOUT` never fires and keepalives are answered): only the receive deadline tied
+/// to the walsender's keepalives can find it. The relay calls the link dead and `/readyz` says
+/// the stream is down; rows committed meanwhile wait; once the walsender runs again (and ends,
+/// by the relay's takeover) the relay streams again and delivers them.
+///
+/// Stopped while waiting (an idle outbox, as here), the walsender shows a walsender wait event
+/// and the probe does not excuse it. Stopped in the middle of decoding one record it would look
+/// busy inside that record, and the link would be kept while it stays stopped: see
+/// docs/reliability.md, "Dead links".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_walsender_is_found_by_the_receive_deadline() {
+    let db = TestDb::new("l_stalled").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &FLAGS)).await;
+    let mut c = db.client().await;
+    let warm = insert_events(&mut c, "warm", 5, 5).await;
+    wait_pending(&redis, "default", warm.len()).await;
+
+    let walsender = db.wait_walsender_other_than(None).await;
+    let dead = link_failures(&relay, "replication");
+    let stalled = common::observed::Resume(walsender as u32);
+    common::observed::kill("STOP", walsender as u32);
+    let during = insert_events(&mut c, "during.stall", 5, 5).await;
+    let detected = until("the stalled replication link is found dead", async || {
+        link_failures(&relay, "replication") > dead
+    })
+    .await;
+    let not_ready = until("/readyz says the stream is down", async || {
+        let (status, body) = relay.get("/readyz").await;
+        status == 503 && body.contains("replication stream down")
+    })
+    .await;
+    drop(stalled);
+    let recovered = until("the stream is back", async || {
+        relay.metrics.stream_up.get() == 1 && ready(&relay).await
+    })
+    .await;
+    let new = db.wait_walsender_other_than(Some(walsender)).await;
+    assert_ne!(new, walsender);
+    let after = insert_events(&mut c, "after.stall", 5, 5).await;
+    let pending = wait_pending(&redis, "default", warm.len() + during.len() + after.len()).await;
+    assert!(
+        during.iter().chain(&after).all(|id| pending.contains(id)),
+        "every row committed during and after the stall has its task"
+    );
+    assert_eq!(pending.len(), warm.len() + during.len() + after.len());
+    println!(
+        "LINK-TIMES link=stalled_walsender detected_after_ms={} not_ready_after_ms={} \
+         recovered_after_ms={}",
+        detected.as_millis(),
+        (detected + not_ready).as_millis(),
+        recovered.as_millis()
+    );
+    relay.stop().await;
 }

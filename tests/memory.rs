@@ -7,7 +7,7 @@
 mod common;
 
 use common::checker::long;
-use common::observed::{kill, redis_pid, ObservedRelay};
+use common::observed::{kill, redis_pid, ObservedRelay, Resume};
 use common::*;
 
 /// In-flight bound of these tests: batches, rows per batch (so at most MAX_INFLIGHT x BATCH_ROWS
@@ -22,18 +22,6 @@ const ROWS: usize = 60;
 const RETRIES: f64 = 8.0;
 /// Failed writes before growth is measured (the allocator settles).
 const WARMUP_RETRIES: f64 = 3.0;
-
-/// Resumes a SIGSTOPped server when dropped (a failed assertion included), so it can be
-/// stopped.
-struct Resume(u32);
-
-impl Drop for Resume {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("kill")
-            .args(["-CONT", &self.0.to_string()])
-            .status();
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 enum Outage {

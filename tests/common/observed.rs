@@ -95,6 +95,18 @@ pub fn redis_pid(redis: &super::Redis) -> u32 {
     text.trim().parse().unwrap()
 }
 
+/// Resumes a SIGSTOPped process when dropped (a failed assertion included), so that it can be
+/// stopped.
+pub struct Resume(pub u32);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-CONT", &self.0.to_string()])
+            .status();
+    }
+}
+
 /// Sends `sig` to process `pid`.
 pub fn kill(sig: &str, pid: u32) {
     let ok = std::process::Command::new("kill")
