@@ -21,18 +21,7 @@ async fn scram_role_and_a_valkey_acl_user_limited_to_the_relays_commands() {
     let ids = insert_events(&mut c, "scram.acl", 50, 10).await;
     assert_eq!(wait_pending(&redis, "default", 50).await, ids);
     // The marker's UPDATEs went through the SQL path as the SCRAM role.
-    eventually("rows are marked published", || async {
-        let n: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (n == 0).then_some(())
-    })
-    .await;
+    wait_all_published(&c).await;
     let env: &[(&str, &str)] = &[
         ("OUTBOX_DATABASE_URL", &role.url),
         ("OUTBOX_VALKEY_URL", &acl_url),

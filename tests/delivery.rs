@@ -101,23 +101,7 @@ async fn sigterm_while_one_queue_is_refused_loses_nothing() {
     let mut want = b_ids.clone();
     want.sort();
     assert_eq!(got, want, "qb: each refused row delivered exactly once");
-    eventually("every row marked published", || {
-        let db = &db;
-        async move {
-            let n: i64 = db
-                .client()
-                .await
-                .query_one(
-                    "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (n == 0).then_some(())
-        }
-    })
-    .await;
+    wait_all_published(&db.client().await).await;
     drop(relay);
 }
 

@@ -524,18 +524,3 @@ async fn bad_rows_become_dead_letters_while_everything_else_flows() {
     assert!(v.ok(), "{v}");
     relay.stop().await;
 }
-
-/// `CONFIG SET name value` on the test's Valkey.
-async fn config_set(
-    conn: &mut redis::aio::MultiplexedConnection,
-    name: &str,
-    value: impl redis::ToRedisArgs,
-) {
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg(name)
-        .arg(value)
-        .query_async(conn)
-        .await
-        .unwrap();
-}

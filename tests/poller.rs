@@ -11,15 +11,7 @@ fn poll_mode() -> Vec<&'static str> {
 }
 
 async fn unpublished(db: &TestDb) -> i64 {
-    db.client()
-        .await
-        .query_one(
-            "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0)
+    unpublished_rows(&db.client().await).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,15 +12,7 @@ use common::*;
 
 /// The rows of this test, all marked published (or deleted).
 async fn all_published(c: &tokio_postgres::Client) -> bool {
-    let left: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    left == 0
+    unpublished_rows(c).await == 0
 }
 
 /// The backend idle in a transaction that holds a lock on the outbox table, if any.

@@ -82,18 +82,7 @@ async fn the_stream_reads_from_a_standby_while_sql_goes_to_the_primary() {
     assert_eq!(pending, ids, "every event, once, in commit order");
     assert_eq!(relay.metrics.poller_delivered.get(), 0);
     // Marking goes to the primary (a standby is read-only).
-    eventually("the rows are marked published on the primary", || async {
-        let left: i64 = client
-            .query_one(
-                "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (left == 0).then_some(())
-    })
-    .await;
+    wait_all_published(&client).await;
     println!(
         "STANDBY-DECODING pg={} events={} via_stream={}",
         pair.major,

@@ -48,3 +48,22 @@ pub async fn stream_delivers_after(relay: &super::Relay, lsn: u64) {
     })
     .await;
 }
+
+/// Rows of `outbox_events` not marked published yet (dead letters included).
+pub async fn unpublished_rows(c: &tokio_postgres::Client) -> i64 {
+    c.query_one(
+        "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// Waits until every row of `outbox_events` is marked published.
+pub async fn wait_all_published(c: &tokio_postgres::Client) {
+    eventually("every row is marked published", || async {
+        (unpublished_rows(c).await == 0).then_some(())
+    })
+    .await;
+}
