@@ -106,6 +106,17 @@ cleanup() {
         kill_tree KILL "$CARGO_PID"
     fi
     [[ -n $TMP && -d $TMP ]] || return 0
+    # iptables rules a killed test left behind (tests/links.rs tags them with this run's dir).
+    if command -v iptables-save >/dev/null 2>&1; then
+        local rule args tag
+        tag=$(basename "$TMP")
+        while IFS= read -r rule; do
+            log "deleting a leftover iptables rule: $rule"
+            rule=${rule//\"/}
+            read -ra args <<<"${rule/#-A /-D }"
+            iptables "${args[@]}" 2>/dev/null
+        done < <(iptables-save -t filter 2>/dev/null | grep -F -- "--comment \"$tag\" ")
+    fi
     "$SCRIPTS/pg-stop.sh" "$TMP/pg" fast --keep >/dev/null 2>&1
     # Servers that tests started under $TMP and did not stop.
     local f bindir

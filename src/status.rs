@@ -61,8 +61,8 @@ pub struct SlotStatus {
     /// PostgreSQL 17+: a failover slot, which standbys with `sync_replication_slots` keep a
     /// copy of (`None` before 17, or without the slot).
     pub failover: Option<bool>,
-    /// PostgreSQL 17+: this copy was synced from the primary (true on a standby, and on a
-    /// promoted standby until the relay's slot is used there).
+    /// PostgreSQL 17+: this copy was synced from a primary (true on a standby; on a promoted
+    /// standby it may stay true, a leftover with no meaning there).
     pub synced: Option<bool>,
     /// PostgreSQL 17+: why the server invalidated the slot (`wal_removed`, `rows_removed`,
     /// `wal_level_insufficient`, 18's `idle_timeout`), `None` while it is valid.

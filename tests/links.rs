@@ -486,41 +486,78 @@ async fn a_long_table_rewrite_is_not_taken_for_a_dead_link() {
     relay.stop().await;
 }
 
-/// iptables rules dropping every loopback TCP packet to or from one port (both directions of
-/// each flow with that end), removed when dropped.
+/// iptables rules dropping loopback TCP packets (both directions), removed when dropped. Each
+/// rule carries the name of this run's scratch directory as a comment ([`KernelBlackHole::tag`]),
+/// and scripts/test.sh deletes the rules of its run left behind (a test process killed before
+/// its drop), not those of another run.
 struct KernelBlackHole {
-    port: u16,
+    /// Each rule's match: `--sport`/`--dport` pairs.
+    rules: Vec<Vec<String>>,
 }
 
 impl KernelBlackHole {
-    fn rules(port: u16) -> [[String; 2]; 2] {
-        [
-            ["--sport".into(), port.to_string()],
-            ["--dport".into(), port.to_string()],
-        ]
+    /// The run's scratch directory name (OUTBOX_TEST_TMP, set by scripts/test.sh).
+    fn tag() -> String {
+        std::env::var("OUTBOX_TEST_TMP")
+            .ok()
+            .and_then(|d| {
+                std::path::Path::new(&d)
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+            })
+            .unwrap_or_else(|| "outbox-relay-test".into())
     }
 
-    fn iptables(op: &str, port: u16) {
-        for [dir, p] in Self::rules(port) {
-            let status = std::process::Command::new("iptables")
-                .args([op, "INPUT", "-i", "lo", "-p", "tcp", &dir, &p, "-j", "DROP"])
-                .status()
-                .expect("iptables (run as root with iptables installed; .ci/run installs it)");
-            assert!(status.success(), "iptables {op} failed");
+    fn iptables(op: &str, rule: &[String]) -> bool {
+        std::process::Command::new("iptables")
+            .args([op, "INPUT", "-i", "lo", "-p", "tcp"])
+            .args(rule)
+            .args(["-m", "comment", "--comment", &Self::tag(), "-j", "DROP"])
+            .status()
+            .expect("iptables (run as root with iptables installed; .ci/run installs it)")
+            .success()
+    }
+
+    fn insert(rules: Vec<Vec<String>>) -> Self {
+        let mut hole = Self { rules: Vec::new() };
+        for rule in rules {
+            assert!(Self::iptables("-I", &rule), "iptables -I {rule:?} failed");
+            // Kept for the drop as soon as it exists, so a failed next insert removes it.
+            hole.rules.push(rule);
         }
+        hole
     }
 
-    /// Drops every packet of the loopback flows with an end at `port`: one client's flow (its
-    /// port), or a whole server (its listening port).
+    /// Drops every packet to and from `port`: the flow whose client end it is, or a whole
+    /// server (its listening port).
     fn cut(port: u16) -> Self {
-        Self::iptables("-I", port);
-        Self { port }
+        let p = port.to_string();
+        Self::insert(vec![
+            vec!["--sport".into(), p.clone()],
+            vec!["--dport".into(), p],
+        ])
+    }
+
+    /// Drops the one flow between client port `client` and server port `server` (a client port
+    /// alone may be shared by flows to other servers).
+    fn cut_flow(client: u16, server: u16) -> Self {
+        let (c, s) = (client.to_string(), server.to_string());
+        Self::insert(vec![
+            vec!["--sport".into(), c.clone(), "--dport".into(), s.clone()],
+            vec!["--sport".into(), s, "--dport".into(), c],
+        ])
     }
 }
 
 impl Drop for KernelBlackHole {
     fn drop(&mut self) {
-        Self::iptables("-D", self.port);
+        // Never a panic here (it may run while a failed test unwinds): a rule that could not be
+        // deleted is said, and scripts/test.sh deletes it at the end.
+        for rule in &self.rules {
+            if !Self::iptables("-D", rule) {
+                eprintln!("could not delete the iptables rule {rule:?}");
+            }
+        }
     }
 }
 
@@ -566,7 +603,7 @@ async fn a_kernel_black_hole_under_a_busy_walsender_is_found_by_tcp_user_timeout
     let rows = filtered_replay::replay_rows() * 2;
     let id = filtered_replay::commit_bulk_change(&db, rows).await;
     let reconnects = relay.postgres_reconnects();
-    let hole = KernelBlackHole::cut(port as u16);
+    let hole = KernelBlackHole::cut_flow(port as u16, url_port(&db.url));
     until(
         "the relay gives the black-holed connection up",
         async || relay.postgres_reconnects() > reconnects,
@@ -719,7 +756,7 @@ async fn a_link_given_up_by_the_monitor_keeps_the_streams_order() {
     );
 }
 
-/// The port of a `redis://host:port` URL.
+/// The port of a `redis://host:port` or `postgres://host:port/db` URL.
 fn url_port(url: &str) -> u16 {
     url::Url::parse(url)
         .unwrap()
@@ -727,17 +764,20 @@ fn url_port(url: &str) -> u16 {
         .expect("a port in the URL")
 }
 
-/// The relay's established TCP sockets (in this process: the relay runs in-process) whose local
-/// port is one of `ports`, from /proc/net/tcp (state 01).
-fn established(ports: &[u16]) -> Vec<u16> {
+/// The established TCP sockets (/proc/net/tcp, state 01: the whole network namespace) from one
+/// of the local `ports` to the remote port `server`: the relay's ends of those flows.
+fn established(ports: &[u16], server: u16) -> Vec<u16> {
+    let port_of = |addr: &str| u16::from_str_radix(addr.rsplit(':').next()?, 16).ok();
     let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
     table
         .lines()
         .skip(1)
         .filter_map(|l| {
             let cols: Vec<&str> = l.split_whitespace().collect();
-            let local = u16::from_str_radix(cols.get(1)?.rsplit(':').next()?, 16).ok()?;
-            (cols.get(3) == Some(&"01") && ports.contains(&local)).then_some(local)
+            let local = port_of(cols.get(1)?)?;
+            let remote = port_of(cols.get(2)?)?;
+            (cols.get(3) == Some(&"01") && remote == server && ports.contains(&local))
+                .then_some(local)
         })
         .collect()
 }
@@ -819,11 +859,15 @@ async fn a_kernel_black_hole_on_the_sql_connections_is_closed_by_the_socket_opti
         .map(|r| r.get::<_, i32>(0) as u16)
         .collect();
     assert!(!ports.is_empty(), "the relay has SQL connections");
-    // This process's sockets (one may have been recycled since the query).
-    assert!(!established(&ports).is_empty(), "{ports:?}");
-    let holes: Vec<KernelBlackHole> = ports.iter().map(|p| KernelBlackHole::cut(*p)).collect();
+    let server = url_port(&db.url);
+    // The relay's ends of those flows (one may have been recycled since the query).
+    assert!(!established(&ports, server).is_empty(), "{ports:?}");
+    let holes: Vec<KernelBlackHole> = ports
+        .iter()
+        .map(|p| KernelBlackHole::cut_flow(*p, server))
+        .collect();
     let closed = until("every black-holed SQL socket is closed", async || {
-        established(&ports).is_empty()
+        established(&ports, server).is_empty()
     })
     .await;
     delivering(&relay).await;
@@ -885,14 +929,42 @@ async fn added_latency_on_every_link_is_not_taken_for_a_dead_one() {
     relay.stop().await;
 }
 
+/// SIGSTOPs walsender `pid` at a moment it waits (for its client or for WAL): its
+/// `pg_stat_activity.wait_event`, frozen with it, then says so. Stopped on the CPU instead (even
+/// an idle walsender wakes to send keepalives), it would look busy inside one record to the
+/// relay's probe, which keeps such a link (seen: one run in two, "gave up waiting").
+async fn stop_while_waiting(db: &TestDb, pid: i32) {
+    let c = db.client().await;
+    for _ in 0..50 {
+        common::observed::kill("STOP", pid as u32);
+        // A stopped backend no longer changes its own wait_event; a moment for the last change
+        // to be visible.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let wait_event: Option<String> = c
+            .query_one(
+                "SELECT wait_event FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if wait_event.is_some_and(|e| e.to_ascii_lowercase().starts_with("walsender")) {
+            return;
+        }
+        common::observed::kill("CONT", pid as u32);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("walsender {pid} was never stopped while waiting");
+}
+
 /// A stalled walsender (SIGSTOP: the kernel still acknowledges every packet, so
 /// `TCP_USER_TIMEOUT` never fires and keepalives are answered): only the receive deadline tied
 /// to the walsender's keepalives can find it. The relay calls the link dead and `/readyz` says
 /// the stream is down; rows committed meanwhile wait; once the walsender runs again (and ends,
 /// by the relay's takeover) the relay streams again and delivers them.
 ///
-/// Stopped while waiting (an idle outbox, as here), the walsender shows a walsender wait event
-/// and the probe does not excuse it. Stopped in the middle of decoding one record it would look
+/// Stopped while waiting (an idle outbox, as here; the stop is retried until it lands in a wait),
+/// the walsender shows a walsender wait event and the probe does not excuse it. Stopped in the middle of decoding one record it would look
 /// busy inside that record, and the link would be kept while it stays stopped: see
 /// docs/reliability.md, "Dead links".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -907,7 +979,7 @@ async fn a_stalled_walsender_is_found_by_the_receive_deadline() {
     let walsender = db.wait_walsender_other_than(None).await;
     let dead = link_failures(&relay, "replication");
     let stalled = common::observed::Resume(walsender as u32);
-    common::observed::kill("STOP", walsender as u32);
+    stop_while_waiting(&db, walsender).await;
     let during = insert_events(&mut c, "during.stall", 5, 5).await;
     let detected = until("the stalled replication link is found dead", async || {
         link_failures(&relay, "replication") > dead

@@ -94,6 +94,16 @@ async fn a_publication_dropped_and_recreated_under_load_heals() {
     // Before 18 healed once, not retried in a loop; from 18 the slot is kept.
     let expected = u64::from(major < 18);
     assert_eq!(relay.metrics.publication_recreated.get(), expected);
+    // The relay's own new slot is not one recreated behind its back (found by review).
+    let ahead = relay
+        .metrics
+        .slot_changes
+        .get_or_create(&outbox_relay::metrics::KindLabel { kind: "ahead" })
+        .get();
+    assert_eq!(
+        ahead, 0,
+        "the relay's own slot reported as recreated by someone"
+    );
     // Said when the slot is recreated (again if a try failed), never from 18.
     let said = logged(&db.slot, "PUBLICATION DROPPED BEHIND THE SLOT");
     assert_eq!(!said.is_empty(), major < 18, "{said:?}");

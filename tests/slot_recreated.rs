@@ -10,6 +10,7 @@
 mod common;
 
 use common::checker::{verify, Load, LoadSpec};
+use common::observed::ObservedRelay;
 use common::*;
 use outbox_relay::metrics::KindLabel;
 use std::time::Duration;
@@ -182,5 +183,59 @@ async fn a_slot_recreated_behind_its_back_stops_a_relay_that_must_not_skip_event
     assert!(
         gap.iter().all(|id| !pending.contains(id)),
         "no task for the gap"
+    );
+}
+
+/// Another replica streaming from the slot moves it past this relay's acknowledgement too, and
+/// that skips nothing: the other replica delivered what it acknowledged. Replica A (set to stop
+/// rather than skip events) freezes, B takes the slot over and streams, A comes back and stands
+/// by, B ends, A takes the slot back: A must not take the slot for one recreated behind its back
+/// (found by review: A stopped with "ahead of the relay's acknowledgement", and in recreate
+/// mode counted it again at every standby check, with `status` warning).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_moved_by_another_replica_is_not_taken_for_one_recreated() {
+    let db = TestDb::new("slot_replicas").await;
+    let redis = Redis::start();
+    let a = ObservedRelay::spawn_streaming(
+        &db,
+        &redis.url,
+        &["--on-slot-lost", "stop", "--recovery", "false"],
+    )
+    .await;
+    let mut c = db.client().await;
+    let mut ids = insert_events(&mut c, "first", 5, 5).await;
+    wait_pending(&redis, "default", ids.len()).await;
+    let a_acked = a.wait_metric("outbox_acked_lsn", |v| v > 0.0).await as u64;
+    a.signal("STOP");
+    let b = ObservedRelay::spawn(&db, &redis.url, &["--takeover-after", "3s"]);
+    b.wait_metric("outbox_stream_up", |v| v == 1.0).await;
+    ids.extend(insert_events(&mut c, "second", 5, 5).await);
+    wait_pending(&redis, "default", ids.len()).await;
+    eventually("the slot is past A's acknowledgement", || async {
+        db.confirmed_flush().await.filter(|c| *c > a_acked)
+    })
+    .await;
+    a.signal("CONT");
+    a.wait_metric("outbox_stream_standby", |v| v == 1.0).await;
+    b.signal("TERM");
+    a.wait_metric("outbox_stream_up", |v| v == 1.0).await;
+    ids.extend(insert_events(&mut c, "third", 5, 5).await);
+    let pending = wait_pending(&redis, "default", ids.len()).await;
+    assert_eq!(pending, ids, "every event once, in commit order");
+    let ahead = a
+        .metric("outbox_slot_changes_total{kind=\"ahead\"}")
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(
+        ahead, 0.0,
+        "the other replica's progress taken for a recreated slot"
+    );
+    let metrics_addr = a.http.to_string();
+    let mut env = relay_env(&db, &redis.url).to_vec();
+    env.push(("OUTBOX_METRICS_ADDR", &metrics_addr));
+    let text = run_command_ok(&["status"], &env);
+    assert!(
+        !text.contains("WARNING") && text.contains("stream_up=yes"),
+        "{text}"
     );
 }

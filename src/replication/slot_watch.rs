@@ -2,8 +2,12 @@
 //! changed (a standby was promoted), the server is another cluster, or the slot's confirmed
 //! position is not where the relay acknowledged it.
 //!
-//! Checked before each replication session. The comparison is pure ([`compare`]); the SQL that
-//! feeds it is [`observe`].
+//! Checked at the start of each replication session, once the session holds the slot (so that
+//! nobody can move it between the check and the stream; found by review: checked before
+//! opening, a slot recreated in between was streamed from unnoticed, the server silently
+//! forwarding the start to the new slot's position). The comparison is pure ([`compare`]); the
+//! SQL that feeds it is [`observe`]. A move of the slot by another walsender (a replica) or by
+//! the relay itself is not a finding ([`SlotWatch::forget`]).
 //! - Position behind the previous check's: the slot was restored or synced from an older state
 //!   (a failover slot whose copy lagged). The stream replays from there; asynq's
 //!   TaskID dedupe absorbs the repeats.
@@ -26,9 +30,21 @@ use tokio_postgres::Client;
 pub struct SlotWatch {
     /// The previous observation and the `outbox_slot_lost` count at that time.
     last: Mutex<Option<(Observation, u64)>>,
+    /// Set by [`SlotWatch::forget`]: the next check does not compare positions.
+    position_forgotten: std::sync::atomic::AtomicBool,
 }
 
 impl SlotWatch {
+    /// The slot's next position is not compared with the previous check's (the server's
+    /// identity and timeline still are). Called when a move of the slot is known not to skip
+    /// events: the relay recreated it itself, or another walsender held it (another replica,
+    /// which delivers what it acknowledges; found by review: a replica that lost the slot to
+    /// another and took it back found it "ahead", and with OUTBOX_ON_SLOT_LOST=stop it stopped).
+    pub fn forget(&self) {
+        self.position_forgotten
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Compares `now` (the slot's server before a session, from [`SlotPort::observe`]; None
     /// when it could not be read) with the previous check, reports what changed and returns it.
     ///
@@ -41,11 +57,14 @@ impl SlotWatch {
         let acked = Lsn::from(metrics.acked_lsn.get());
         let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
         let previous = last.as_ref().map(|(o, lost_then)| (*o, *lost_then));
+        let forgotten = self
+            .position_forgotten
+            .swap(false, std::sync::atomic::Ordering::Relaxed);
         let found = compare(
             previous.as_ref().map(|(o, _)| o),
             &now,
             acked,
-            previous.is_some_and(|(_, lost_then)| lost_then != lost),
+            forgotten || previous.is_some_and(|(_, lost_then)| lost_then != lost),
         );
         *last = Some((now, lost));
         drop(last);
@@ -98,10 +117,11 @@ impl Finding {
     }
 }
 
-/// Compares the check before a session with the previous one. `acked` is the position the relay
-/// last acknowledged (zero: nothing yet in this process, so positions are not compared);
-/// `recreated_by_relay` is true when the relay itself recreated the slot since the previous check
-/// (reported as a lost slot already, so its new position is expected).
+/// Compares the check at a session's start with the previous one. `acked` is the position the
+/// relay last acknowledged (zero: nothing yet in this process, so positions are not compared);
+/// `recreated_by_relay` is true when the slot's new position is expected: the relay itself
+/// recreated the slot since the previous check (reported as a lost slot already), or another
+/// replica streamed from it ([`SlotWatch::forget`]).
 pub fn compare(
     previous: Option<&Observation>,
     now: &Observation,
@@ -234,6 +254,29 @@ mod tests {
             false
         )
         .is_empty());
+    }
+
+    #[test]
+    fn a_forgotten_position_is_not_compared_once_but_the_timeline_is() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = Metrics::new(&mut registry);
+        let watch = SlotWatch::default();
+        metrics.acked_lsn.set(300);
+        assert!(watch.check(Some(obs(1, 1, 300)), "s", &metrics).is_empty());
+        // Another replica streamed from the slot (or the relay recreated it), and a failover.
+        watch.forget();
+        assert_eq!(
+            watch.check(Some(obs(1, 2, 900)), "s", &metrics),
+            [Finding::Timeline { from: 1, to: 2 }]
+        );
+        // Forgotten for that one check only.
+        assert_eq!(
+            watch.check(Some(obs(1, 2, 1900)), "s", &metrics),
+            [Finding::Ahead {
+                acked: Lsn::from(300),
+                confirmed: Lsn::from(1900)
+            }]
+        );
     }
 
     #[test]

@@ -80,8 +80,11 @@ pub enum StreamError {
     )]
     LinkDead { silent_secs: u64 },
     #[error(
-        "replication slot {slot:?} is {why}; OUTBOX_ON_SLOT_LOST=stop: events committed while it \
-         was gone are only in the table now (run with OUTBOX_ON_SLOT_LOST=recreate, or OUTBOX_MODE=poll)"
+        "replication slot {slot:?} is {why}; OUTBOX_ON_SLOT_LOST=stop: events the stream cannot \
+         send are only in the table now, unpublished. Deliver them before restarting (a relay \
+         with OUTBOX_MODE=poll, or `outbox-relay replay`): a restarted relay has no memory of \
+         this and streams from the slot as it finds it. Or let the relay heal it: \
+         OUTBOX_ON_SLOT_LOST=recreate with the recovery poller on"
     )]
     SlotLost { slot: String, why: &'static str },
 }
@@ -277,6 +280,11 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
     async fn reclaim_zombie_slot(&self, watch: &mut TakeoverWatch) {
         let result = async {
             let holder = self.port.holder().await?;
+            if holder.is_some() {
+                // Another walsender streams from the slot: what it acknowledges, its relay
+                // delivered. Not a finding when this relay takes the slot back.
+                self.slot_watch.forget();
+            }
             match watch.observe(holder.as_ref(), Instant::now()) {
                 Verdict::Live => {}
                 Verdict::CannotTell => tracing::debug!(
@@ -335,6 +343,9 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         match restored {
             Ok(lsn) => {
                 self.metrics.publication_recreated.inc();
+                // The relay's own new slot, ahead of its acknowledgement: not a finding (found by
+                // review: it was reported as recreated behind the relay's back).
+                self.slot_watch.forget();
                 tracing::warn!(slot = %slot, lsn = %lsn, "replication slot recreated after the publication was dropped");
                 Ok(Duration::ZERO)
             }
@@ -372,6 +383,7 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
             });
         }
         let lsn = self.port.recreate().await?;
+        self.slot_watch.forget();
         tracing::warn!(slot = %slot, lsn = %lsn, "replication slot recreated");
         Ok(lsn)
     }
@@ -382,13 +394,18 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         streamed: &mut bool,
     ) -> Result<SessionEnd, StreamError> {
         let start = self.slot_position().await?;
+        let Some(mut source) = self.port.open(start, shutdown).await? else {
+            return Ok(SessionEnd::Shutdown);
+        };
+        // Checked once this session holds the slot: nobody can move it from here on.
         let found = self.slot_watch.check(
             self.port.observe().await,
             &self.settings.slot,
             &self.metrics,
         );
         // A slot ahead of the acknowledgement skips the events in between, as a lost slot does:
-        // a relay that must never skip events itself stops (found by writing its test).
+        // a relay that must never skip events itself stops before it reads anything (found by
+        // writing its test). The connection is dropped without acknowledging.
         let skipped = found
             .iter()
             .any(|f| matches!(f, super::slot_watch::Finding::Ahead { .. }));
@@ -399,9 +416,6 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
                       back): streaming from it would skip the events in between",
             });
         }
-        let Some(mut source) = self.port.open(start, shutdown).await? else {
-            return Ok(SessionEnd::Shutdown);
-        };
         tracing::info!(slot = %self.settings.slot, lsn = %start, "replication stream started");
         *streamed = true;
         self.metrics.stream_up.set(1);
