@@ -202,7 +202,7 @@ async fn server_status(
 /// - The slot past the relay's acknowledgement: only the relay moves it (its slot was read
 ///   first, so the relay's acknowledgement read after is at least the slot's position), so
 ///   someone recreated or advanced it; the stream skips what lies between, the recovery poller
-///   delivers it.
+///   delivers it. Not said of a replica standing by (another one streams from the slot).
 /// - The relay's last check on another timeline than the server's: it has not resumed since a
 ///   promotion (or it streams from another server).
 pub fn warnings(server: &ServerStatus, slot: &SlotStatus, relay: &RelayView) -> Vec<String> {
@@ -214,9 +214,12 @@ pub fn warnings(server: &ServerStatus, slot: &SlotStatus, relay: &RelayView) -> 
         s.as_deref()
             .and_then(|t| pgwire_replication::Lsn::parse(t).ok())
     };
+    // A replica standing by: another session streams from the slot and moves it (found by
+    // review: it warned for as long as the other replica streamed).
+    let standing_by = relay.standby == Some(true);
     if let (Some(confirmed), Some(acked)) = (lsn(&slot.confirmed_flush_lsn), lsn(&relay.acked_lsn))
     {
-        if confirmed > acked {
+        if confirmed > acked && !standing_by {
             out.push(format!(
                 "the slot is at {confirmed}, past the relay's acknowledgement {acked}: it was \
                  recreated or advanced behind the relay's back (or the relay at {} streams from \
@@ -395,9 +398,10 @@ pub fn render(s: &Status) -> String {
             let count = |n: Option<u64>| n.map_or("-".into(), |n| n.to_string());
             let _ = writeln!(
                 out,
-                "relay        {:<24} stream_up={} timeline={} acked={} slot_changes={} slot_lost={} publication_recreated={}",
+                "relay        {:<24} stream_up={} standby={} timeline={} acked={} slot_changes={} slot_lost={} publication_recreated={}",
                 r.address,
                 flag(r.stream_up),
+                flag(r.standby),
                 r.timeline.map_or("-".into(), |t| t.to_string()),
                 r.acked_lsn.as_deref().unwrap_or("-"),
                 changes,
@@ -483,6 +487,12 @@ mod tests {
         // Nothing acknowledged yet, or no slot: no comparison.
         assert!(warnings(&server(1), &slot(Some("0/3000")), &relay(1, None)).is_empty());
         assert!(warnings(&server(1), &slot(None), &relay(1, Some("0/2000"))).is_empty());
+        // A replica standing by: another session moves the slot.
+        let standing_by = RelayView {
+            standby: Some(true),
+            ..relay(1, Some("0/2000"))
+        };
+        assert!(warnings(&server(1), &slot(Some("0/3000")), &standing_by).is_empty());
     }
 
     #[test]

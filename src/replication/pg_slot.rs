@@ -204,7 +204,12 @@ impl SlotPort for PgSlot {
             .pg
             .replication(&self.slot, &self.publication)
             .with_start_lsn(start)
-            .with_ack_lsn(start)
+            // Nothing confirmed until the session acknowledges: a first status update carrying
+            // `start` would set the slot back to it if the server forwarded the start to a
+            // slot recreated since (servers without the guard against moving confirmed_flush
+            // backwards), and the check at the session's start would then see nothing (found
+            // by review). The server ignores an invalid flush position.
+            .with_ack_lsn(Lsn::ZERO)
             .with_status_interval(STATUS_INTERVAL)
             .with_wakeup_interval(STATUS_INTERVAL)
             // Each idle wakeup asks the walsender for a keepalive: proof the link lives.
@@ -244,11 +249,11 @@ impl SlotPort for PgSlot {
         let row = client
             .query_opt(
                 "SELECT r.pid, r.reply_time::text, pg_has_role('pg_read_all_stats', 'USAGE'), \
-                 a.wait_event, r.sent_lsn::text \
+                 a.wait_event, r.sent_lsn::text, r.application_name = $2 \
                  FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid \
                  LEFT JOIN pg_stat_activity a ON a.pid = r.pid \
                  WHERE s.slot_name = $1",
-                &[&self.slot],
+                &[&self.slot, &crate::postgres::APPLICATION_NAME],
             )
             .await
             .map_err(PgError::from)?;
@@ -258,6 +263,7 @@ impl SlotPort for PgSlot {
             can_see_replies: r.get(2),
             busy: super::liveness::walsender_busy(r.get::<_, Option<&str>>(3)),
             sent_lsn: r.get(4),
+            relay: r.get::<_, Option<bool>>(5).unwrap_or(false),
         }))
     }
 

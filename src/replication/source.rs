@@ -62,6 +62,9 @@ pub struct SlotHolder {
     /// Its `pg_stat_replication.sent_lsn`, as text: a busy walsender whose sent position moves
     /// decodes record after record, reading status updates between them.
     pub sent_lsn: Option<String>,
+    /// Whether it is an outbox-relay's (its `application_name`): another replica, which
+    /// delivers what it acknowledges, or this relay's own leftover; not a foreign consumer.
+    pub relay: bool,
 }
 
 /// The replication slot and the connections to it.

@@ -280,9 +280,11 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
     async fn reclaim_zombie_slot(&self, watch: &mut TakeoverWatch) {
         let result = async {
             let holder = self.port.holder().await?;
-            if holder.is_some() {
-                // Another walsender streams from the slot: what it acknowledges, its relay
-                // delivered. Not a finding when this relay takes the slot back.
+            if holder.as_ref().is_some_and(|h| h.relay) {
+                // Another replica streams from the slot: what it acknowledges, it delivered.
+                // Not a finding when this relay takes the slot back. (This relay's own leftover
+                // walsender counts too; it never moves the slot past this relay's
+                // acknowledgement anyway.) A foreign consumer's progress is a finding.
                 self.slot_watch.forget();
             }
             match watch.observe(holder.as_ref(), Instant::now()) {
@@ -336,6 +338,10 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         }
         // The publication first, if it is still missing (counted as the watch counts it);
         // recreating the slot checks it again.
+        // The relay's own new slot, ahead of its acknowledgement, is not a finding (found by
+        // review: reported as recreated behind its back); forgotten before the attempt, which
+        // may create the slot and still fail.
+        self.slot_watch.forget();
         let restored = match publication::restore(&self.port, slot, &self.metrics).await {
             Ok(_) => self.port.recreate().await,
             Err(e) => Err(e),
@@ -343,9 +349,6 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         match restored {
             Ok(lsn) => {
                 self.metrics.publication_recreated.inc();
-                // The relay's own new slot, ahead of its acknowledgement: not a finding (found by
-                // review: it was reported as recreated behind the relay's back).
-                self.slot_watch.forget();
                 tracing::warn!(slot = %slot, lsn = %lsn, "replication slot recreated after the publication was dropped");
                 Ok(Duration::ZERO)
             }
@@ -382,8 +385,8 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
                 why,
             });
         }
-        let lsn = self.port.recreate().await?;
         self.slot_watch.forget();
+        let lsn = self.port.recreate().await?;
         tracing::warn!(slot = %slot, lsn = %lsn, "replication slot recreated");
         Ok(lsn)
     }

@@ -90,6 +90,7 @@ mod tests {
             pid,
             reply_time: reply.map(str::to_owned),
             can_see_replies: visible,
+            relay: true,
         }
     }
 

@@ -20,6 +20,8 @@ pub struct RelayView {
     pub unreachable: Option<String>,
     /// `outbox_stream_up`.
     pub stream_up: Option<bool>,
+    /// `outbox_stream_standby`: another session holds the slot, this replica stands by.
+    pub standby: Option<bool>,
     /// `outbox_postgres_timeline`: the timeline at the stream's last check (0 before one).
     pub timeline: Option<u32>,
     /// `outbox_acked_lsn`: the last position it acknowledged to Postgres (`None` before one).
@@ -51,6 +53,7 @@ impl RelayView {
             let whole = value as u64;
             match series {
                 "outbox_stream_up" => view.stream_up = Some(value == 1.0),
+                "outbox_stream_standby" => view.standby = Some(value == 1.0),
                 "outbox_postgres_timeline" => view.timeline = u32::try_from(whole).ok(),
                 "outbox_acked_lsn" if whole > 0 => {
                     view.acked_lsn = Some(Lsn::from(whole).to_string())
@@ -131,6 +134,7 @@ mod tests {
     fn the_view_is_read_from_the_metrics_text() {
         let text = "# HELP outbox_stream_up x\n\
                     outbox_stream_up 1\n\
+                    outbox_stream_standby 0\n\
                     outbox_postgres_timeline 2\n\
                     outbox_acked_lsn 4294967552\n\
                     outbox_slot_changes_total{kind=\"ahead\"} 1\n\
@@ -140,6 +144,7 @@ mod tests {
                     outbox_events_published_total 99\n";
         let v = RelayView::parse("127.0.0.1:9187", text);
         assert_eq!(v.stream_up, Some(true));
+        assert_eq!(v.standby, Some(false));
         assert_eq!(v.timeline, Some(2));
         assert_eq!(v.acked_lsn.as_deref(), Some("1/100"));
         assert_eq!(

@@ -420,6 +420,8 @@ impl SlotPort for SimPort {
                 // The simulated walsender never decodes for long without answering.
                 busy: false,
                 sent_lsn: None,
+                // Every simulated walsender is a relay's.
+                relay: true,
             }))
     }
 
