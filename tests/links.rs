@@ -563,11 +563,11 @@ impl Drop for KernelBlackHole {
 
 /// A replication link black-holed in the KERNEL (iptables DROP of its flow: no FIN, no RST, no
 /// acknowledgement) while the walsender is busy replaying a long filtered transaction. The
-/// receive deadline keeps a link whose walsender is busy, so only `TCP_USER_TIMEOUT` on the
-/// replication socket (the relay's status updates stay unacknowledged) can find it: the relay
-/// must reconnect without the deadline ever calling the link dead, take the slot back once the
-/// old walsender stops, and deliver the event. Without the socket option the link is found only
-/// after the replay, by the deadline (`outbox_link_failures_total{link="replication"}` 1).
+/// receive deadline keeps a link whose walsender is busy, so `TCP_USER_TIMEOUT` on the
+/// replication socket (the relay's status updates stay unacknowledged) must find it: the kernel
+/// closes the socket ("Connection timed out"), the relay reconnects, takes the slot back once the
+/// old walsender stops, and delivers the event. Without the socket option the kernel would wait
+/// for its retransmission limit, and the link is found by the deadline alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kernel_black_hole_under_a_busy_walsender_is_found_by_tcp_user_timeout() {
     let db = TestDb::new("l_kernel").await;
@@ -617,9 +617,17 @@ async fn a_kernel_black_hole_under_a_busy_walsender_is_found_by_tcp_user_timeout
          reconnects={}",
         relay.postgres_reconnects() - reconnects
     );
-    assert_eq!(
-        dead, 0,
-        "the receive deadline found the link, not TCP_USER_TIMEOUT"
+    // The kernel gave the socket up (TCP_USER_TIMEOUT: "Connection timed out"; without the
+    // option it waits for its retransmission limit, about 15 minutes). The receive deadline may
+    // call the link dead in the same moment, when the walsender, blocked writing to the dead
+    // socket, no longer looks busy: seen once in CI (dead link counted 0.2 s after the
+    // timeout), so the count is printed, not asserted. No other test of this binary cuts the
+    // replication flow in the kernel.
+    let timed_out =
+        logged_by_any("replication worker terminated with error: io error: Connection timed out");
+    assert!(
+        !timed_out.is_empty(),
+        "TCP_USER_TIMEOUT never closed the black-holed replication socket (dead links: {dead})"
     );
     relay.stop().await;
 }
