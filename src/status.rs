@@ -614,25 +614,9 @@ mod tests {
         assert!(warnings(&server(2), &slot(Some("0/9")), &down).is_empty());
         let status = Status {
             server: server(2),
-            slot: slot(Some("0/9")),
-            publication: PublicationStatus {
-                name: "outbox_relay".into(),
-                exists: true,
-                oid: Some(1),
-                tables: vec!["public.outbox_events".into()],
-                operations: vec!["insert".into()],
-            },
-            table: TableStatus {
-                name: "public.outbox_events".into(),
-                exists: true,
-                similar: Vec::new(),
-            },
-            unpublished_rows: Some(0),
-            oldest_unpublished_age_seconds: None,
-            dead_letters: Some(0),
             queues: None,
             relay: down,
-            warnings: Vec::new(),
+            ..full()
         };
         let text = render(&status);
         assert!(
