@@ -78,7 +78,8 @@ def _link(a: argparse.Namespace, link: dict) -> list[str]:
     ]
     for p in link["backlog"]:
         lines.append(f"| {_d(p['delay'])} | {_pair_cells(p)} |")
-    lines += ["", "**Latency over a link**: single-row transactions at fixed rates (each rate"
+    lines += [""] + _link_cpu(a, link["backlog"])
+    lines += ["**Latency over a link**: single-row transactions at fixed rates (each rate"
               f" {a.repeat} times, {a.step_seconds:g} s each, in one relay session); latency from"
               " the commit timestamp to the task in Valkey (`pending_since`, stamped by the relay"
               " as it sends the write, plus D for the write's way to Valkey). Medians of the runs;"
@@ -90,6 +91,43 @@ def _link(a: argparse.Namespace, link: dict) -> list[str]:
         for st in median_steps(s["steps"]):
             lines.append(_steady_row(_d(s["delay"]), st))
     return lines + [""]
+
+
+def _link_cpu(a: argparse.Namespace, backlog: list[dict]) -> list[str]:
+    """Where the CPU went during the median drain of each consumer over each link: the profile
+    that says what a drain over a link is bounded by."""
+    lines = [
+        "**Where the CPU went** during the median drain of each consumer over each link (its"
+        " start to its last event): seconds on a CPU per process group, the walsender's seconds"
+        " runnable but waiting for a CPU, and the share of the span. \"proxies\" is the"
+        " latency proxies' CPU (one proxy on pg_recvlogical's path, one per proxied link on the"
+        " relay's), a cost that a real link puts on the network and the other host.", "",
+        "| D each way | consumer | span s | walsender on CPU s | walsender waiting s "
+        "| Valkey s | consumer s | proxies s | everything else s | machine busy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in backlog:
+        for name, r in (("pg_recvlogical", p["recvlogical"]), ("stream", p["stream"])):
+            sv = r.get("servers")
+            if not sv:
+                continue
+            span = sv["span_s"]
+            ws = sv.get("cpu_walsender_s", 0.0)
+            vk = sv.get("cpu_valkey_s", 0.0)
+            consumer = r["cpu_s"] + r.get("cpu_startup_s", 0.0)
+            px = r.get("link", {}).get("proxy_cpu_s", 0.0)
+            busy = sv["machine_busy_s"]
+            rest = max(0.0, busy - (ws + vk + consumer + px))
+            pct = lambda x: f"{x:.2f} ({x / span:.0%})"  # noqa: E731
+            lines.append(
+                f"| {_d(p['delay'])} | {name} | {span:.2f} | {pct(ws)} "
+                f"| {pct(sv.get('wait_walsender_s', 0.0))} | {pct(vk)} | {pct(consumer)} "
+                f"| {pct(px)} | {pct(rest)} | {busy / (a.nproc * span):.0%} |")
+    return lines + [
+        "",
+        "As the loopback table's \"Where the CPU went\": /proc/PID/schedstat sampled every 25 ms;"
+        " \"everything else\" includes the other Postgres processes.", "",
+    ]
 
 
 def _steady_row(first: str, st: dict) -> str:
