@@ -30,7 +30,7 @@ def add_geometry_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--link-delays", default="direct,0,0.5,1,2",
                    help="ms each way; `direct` is no proxy at all, 0 the proxy without delay")
     g.add_argument("--link-events", type=int, help="events per link backlog (100000; quick 10000)")
-    g.add_argument("--link-rates", default="1000,5000,10000", help="steady rates over each link")
+    g.add_argument("--link-rates", default="1000,5000,10000", help="steady rates over each link (empty: drains only)")
     g.add_argument("--link-sides", default="both", choices=SIDES,
                    help="which links of the link phase get the delay: both (the production "
                         "geometry), valkey (Postgres direct for the relay and pg_recvlogical: "
@@ -85,7 +85,7 @@ def phase_link(env: Env) -> dict:
                for d, v in zip(delays, (runs[label(d)] for d in delays))]
     rates = [int(x) for x in a.link_rates.split(",") if x]
     steady = []
-    for d in delays:
+    for d in delays if rates else []:
         log(f"  steady load over link {label(d)}: {a.link_rates} /s, {a.repeat} times each")
         links = Links(env, d, tag="-steady", sides=a.link_sides)
         try:

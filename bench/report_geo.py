@@ -79,6 +79,8 @@ def _link(a: argparse.Namespace, link: dict) -> list[str]:
     for p in link["backlog"]:
         lines.append(f"| {_d(p['delay'])} | {_pair_cells(p)} |")
     lines += [""] + _link_cpu(a, link["backlog"])
+    if not link["steady"]:
+        return lines
     lines += ["**Latency over a link**: single-row transactions at fixed rates (each rate"
               f" {a.repeat} times, {a.step_seconds:g} s each, in one relay session); latency from"
               " the commit timestamp to the task in Valkey (`pending_since`, stamped by the relay"
