@@ -1,10 +1,13 @@
 """The insert-ceiling search of bench/bench.py (issue 16): what limits the highest rate the relay
 sustains on this machine.
 
-Two ramps over --ceiling-rates, each stopped at the first rate it cannot hold:
+Three ramps over --ceiling-rates, each stopped at the first rate it cannot hold:
 1. Postgres alone: examples/load_gen inserting single-row transactions into a database with no
    slot and no relay. Its highest achieved rate is what the machine can commit.
-2. The stream: the same load with the relay streaming it into Valkey (bench/steady.py), kept up
+2. Logical decoding alone: the same load with pg_recvlogical streaming the slot to /dev/null.
+   Its highest held rate is what the machine can commit while a walsender decodes every
+   commit, the cost any consumer of the slot pays: the fair ceiling for the relay.
+3. The stream: the same load with the relay streaming it into Valkey (bench/steady.py), kept up
    or not by the steady phase's rules.
 
 Every step records the CPU seconds of each process group while it ran (load_gen from wait4; the
@@ -15,8 +18,17 @@ single-threaded process at ~100% of a core, or the machine's cores all busy.
 
 from __future__ import annotations
 
-from harness import Env, log
+import math
+import subprocess
+import time
+
+import psycopg
+
+from harness import Env, create_slot, current_lsn, log, proc_cpu_seconds
 from steady import load, run_steady
+
+# How long the walsender may take, once a step's load stops, to send everything committed in it.
+CATCH_UP_S = 30.0
 
 
 def insert_only(env: Env, rates: list[int]) -> list[dict]:
@@ -44,14 +56,73 @@ def insert_only(env: Env, rates: list[int]) -> list[dict]:
     return steps
 
 
+def sent_past(url: str, slot: str, target: str, limit: float) -> float:
+    """Seconds until the walsender of `slot` has sent up to `target` (NaN after `limit`)."""
+    t0 = time.monotonic()
+    with psycopg.connect(url, autocommit=True) as c:
+        while time.monotonic() - t0 < limit:
+            row = c.execute(
+                "SELECT r.sent_lsn >= %s::pg_lsn FROM pg_replication_slots s "
+                "JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = %s",
+                (target, slot)).fetchone()
+            if row and row[0]:
+                return time.monotonic() - t0
+            time.sleep(0.02)
+    return math.nan
+
+
+def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
+    """load_gen at each rate while pg_recvlogical streams the slot to /dev/null, until a rate is
+    not held: the load falls short, or the walsender has not sent the step's commits
+    CATCH_UP_S after the load stopped."""
+    name = "bench_ceiling_rl"
+    url = env.fresh_db(name)
+    create_slot(url, name)
+    p = subprocess.Popen(
+        [env.a.pg_recvlogical, "-d", url, "--slot", name, "--start", "-o", "proto_version=1",
+         "-o", "publication_names=outbox_relay", "-f", "/dev/null", "-s", "1", "--no-loop"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    steps = []
+    try:
+        if math.isnan(sent_past(url, name, current_lsn(url), 30.0)):
+            raise RuntimeError("pg_recvlogical did not start streaming within 30 s")
+        with env.admin() as c:
+            c.execute("CHECKPOINT")
+        for rate in rates:
+            rows = env.workdir / f"recvlogical-{rate}.tsv"
+            sampler = env.cpu_sampler()
+            cpu0 = proc_cpu_seconds(p.pid)
+            g = load(env, url, rate, env.a.step_seconds, rows)
+            caught_up = sent_past(url, name, current_lsn(url), CATCH_UP_S)
+            servers = sampler.stop()
+            cpu = proc_cpu_seconds(p.pid) - cpu0
+            rows.unlink(missing_ok=True)
+            held = g["achieved_rate"] >= 0.95 * rate and not math.isnan(caught_up)
+            steps.append({"target": rate, "achieved": g["achieved_rate"],
+                          "events": int(g["inserted"]), "connections": g["connections"],
+                          "load_gen_cpu_s": g["cpu_s"], "servers": servers, "kept_up": held,
+                          "relay_cpu_s": cpu, "caught_up_s": caught_up})
+            log(f"    with pg_recvlogical: {g['achieved_rate']:,.0f}/s of {rate:,}/s, "
+                f"sent {caught_up:.2f} s after the load stopped")
+            if not held:
+                break
+    finally:
+        p.kill()
+        p.wait()
+        env.drop_db(name)
+    return steps
+
+
 def phase_ceiling(env: Env) -> dict:
     rates = [int(x) for x in env.a.ceiling_rates.split(",") if x]
     log(f"phase ceiling: {env.a.ceiling_rates} /s, {env.a.step_seconds:g} s steps")
     log("  Postgres alone (no slot, no relay)")
     alone = insert_only(env, rates)
+    log("  with pg_recvlogical streaming (logical decoding, no sink)")
+    decoding = with_recvlogical(env, rates)
     log("  with the relay streaming")
     stream = run_steady(env, "bench_ceiling", [], rates)
-    return {"insert_only": alone, "stream": stream}
+    return {"insert_only": alone, "recvlogical": decoding, "stream": stream}
 
 
 def cores(step: dict) -> dict[str, float]:

@@ -174,14 +174,20 @@ def _ceiling(a: argparse.Namespace, res: dict) -> list[str]:
     lines = [
         f"**The insert ceiling**: single-row transactions at rising rates, {a.step_seconds:g} s"
         " per step, until a rate is not held; first Postgres alone (no slot, no relay), then with"
-        " the relay streaming (kept up as in the steady phase). CPU in cores (CPU seconds per"
+        " pg_recvlogical streaming the slot to /dev/null (held: the load reached 95% of the"
+        " rate and the walsender sent the step's commits within 30 s of its end; what logical"
+        " decoding itself leaves), then with the relay streaming (kept up as in the steady"
+        " phase; the \"consumer\" column is pg_recvlogical or the relay). CPU in cores (CPU seconds per"
         " second of the step and its drain) per process group; \"busiest\" is the busiest single"
         " Postgres or Valkey process (1.00 is a whole core).", "",
         "| run | target/s | achieved/s | p99 ms | held | load_gen | Postgres backends "
-        "| walsender (waiting) | relay | Valkey | other | machine busy | busiest |",
+        "| walsender (waiting) | consumer | Valkey | other | machine busy | busiest |",
         "|---|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for run, steps in (("Postgres alone", res["insert_only"]), ("with the relay", res["stream"])):
+    runs = (("Postgres alone", res["insert_only"]),
+            ("with pg_recvlogical", res.get("recvlogical", [])),
+            ("with the relay", res["stream"]))
+    for run, steps in runs:
         for st in steps:
             c = cores(st)
             lines.append(
