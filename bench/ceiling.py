@@ -27,8 +27,6 @@ import psycopg
 from harness import Env, create_slot, current_lsn, log, proc_cpu_seconds
 from steady import load, run_steady
 
-# How long the walsender may take, once a step's load stops, to send everything committed in it.
-CATCH_UP_S = 30.0
 
 
 def insert_only(env: Env, rates: list[int]) -> list[dict]:
@@ -73,18 +71,26 @@ def sent_past(url: str, slot: str, target: str, limit: float) -> float:
 
 def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
     """load_gen at each rate while pg_recvlogical streams the slot to /dev/null, until a rate is
-    not held: the load falls short, or the walsender has not sent the step's commits
-    CATCH_UP_S after the load stopped."""
+    not held: the load falls short, or the walsender has not sent the step's commits within
+    --max-p99-ms of the load's end (the bound the relay's p99 must keep to be held)."""
     name = "bench_ceiling_rl"
     url = env.fresh_db(name)
     create_slot(url, name)
+    catch_up = env.a.max_p99_ms / 1000
+    err_path = env.workdir / f"{name}.log"
     p = subprocess.Popen(
         [env.a.pg_recvlogical, "-d", url, "--slot", name, "--start", "-o", "proto_version=1",
          "-o", "publication_names=outbox_relay", "-f", "/dev/null", "-s", "1", "--no-loop"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        stdout=subprocess.DEVNULL, stderr=open(err_path, "w"))
+
+    def alive() -> None:
+        if p.poll() is not None:
+            raise RuntimeError(f"pg_recvlogical exited ({p.returncode}); see {err_path}")
+
     steps = []
     try:
         if math.isnan(sent_past(url, name, current_lsn(url), 30.0)):
+            alive()
             raise RuntimeError("pg_recvlogical did not start streaming within 30 s")
         with env.admin() as c:
             c.execute("CHECKPOINT")
@@ -93,7 +99,8 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
             sampler = env.cpu_sampler()
             cpu0 = proc_cpu_seconds(p.pid)
             g = load(env, url, rate, env.a.step_seconds, rows)
-            caught_up = sent_past(url, name, current_lsn(url), CATCH_UP_S)
+            caught_up = sent_past(url, name, current_lsn(url), catch_up)
+            alive()
             servers = sampler.stop()
             cpu = proc_cpu_seconds(p.pid) - cpu0
             rows.unlink(missing_ok=True)

@@ -85,7 +85,12 @@ def _header(a: argparse.Namespace, m: dict, first: str | None = None) -> list[st
     else:
         first = (f"**Full run: {a.events:,} events per backlog phase, {a.step_seconds:g} s per "
                  f"load step.** {now}.")
-    lines = [first, "", f"Command: `{a.command.strip()}` (relay commit `{m['relay_commit']}`)", ""]
+    built = f"relay commit `{m['relay_commit']}`"
+    if " --relay " in f" {a.command} ":
+        # The tree's commit, not the binary's: `--relay` after `--` names another build.
+        built = (f"tree at commit `{m['relay_commit']}`; the relay binary is the one `--relay`"
+                 " names, not built from it")
+    lines = [first, "", f"Command: `{a.command.strip()}` ({built})", ""]
     if a.relay_env:
         extra = ", ".join(f"`{k}={v}`" for k, v in sorted(a.relay_env.items()))
         lines += [f"Relay settings added to every relay phase: {extra}.", ""]

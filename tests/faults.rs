@@ -230,22 +230,6 @@ async fn a_write_refused_for_memory_is_not_overtaken_by_later_ones() {
     );
 }
 
-/// Valkey's count of error replies by their first word (`INFO errorstats`).
-async fn refusals_by_reply(redis: &Redis) -> Vec<(String, u64)> {
-    let info: String = redis::cmd("INFO")
-        .arg("errorstats")
-        .query_async(&mut redis.conn().await)
-        .await
-        .unwrap();
-    info.lines()
-        .filter_map(|l| l.strip_prefix("errorstat_"))
-        .filter_map(|l| {
-            let (reply, rest) = l.split_once(":count=")?;
-            Some((reply.to_owned(), rest.parse().ok()?))
-        })
-        .collect()
-}
-
 async fn postgres_restart(mode: &str) {
     let pg = OwnPg::start(&[]);
     let db = TestDb::on(&pg.url, "f_pgrestart", true).await;

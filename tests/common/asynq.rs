@@ -82,3 +82,19 @@ pub async fn queues(conn: &mut (impl redis::aio::ConnectionLike + Send)) -> Vec<
     queues.sort();
     queues
 }
+
+/// Valkey's count of error replies by their first word (`INFO errorstats`).
+pub async fn refusals_by_reply(redis: &Redis) -> Vec<(String, u64)> {
+    let info: String = redis::cmd("INFO")
+        .arg("errorstats")
+        .query_async(&mut redis.conn().await)
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|l| l.strip_prefix("errorstat_"))
+        .filter_map(|l| {
+            let (reply, rest) = l.split_once(":count=")?;
+            Some((reply.to_owned(), rest.parse().ok()?))
+        })
+        .collect()
+}
