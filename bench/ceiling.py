@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import math
 import subprocess
-import time
 
-import psycopg
-
-from harness import Env, create_slot, current_lsn, log, proc_cpu_seconds
+from harness import Env, create_slot, current_lsn, log, proc_cpu_seconds, wait_sent
 from steady import load, run_steady
 
 
@@ -54,21 +51,6 @@ def insert_only(env: Env, rates: list[int]) -> list[dict]:
     return steps
 
 
-def sent_past(url: str, slot: str, target: str, limit: float) -> float:
-    """Seconds until the walsender of `slot` has sent up to `target` (NaN after `limit`)."""
-    t0 = time.monotonic()
-    with psycopg.connect(url, autocommit=True) as c:
-        while time.monotonic() - t0 < limit:
-            row = c.execute(
-                "SELECT r.sent_lsn >= %s::pg_lsn FROM pg_replication_slots s "
-                "JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = %s",
-                (target, slot)).fetchone()
-            if row and row[0]:
-                return time.monotonic() - t0
-            time.sleep(0.02)
-    return math.nan
-
-
 def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
     """load_gen at each rate while pg_recvlogical streams the slot to /dev/null, until a rate is
     not held: the load falls short, or the walsender has not sent the step's commits within
@@ -89,7 +71,7 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
 
     steps = []
     try:
-        if math.isnan(sent_past(url, name, current_lsn(url), 30.0)):
+        if math.isnan(wait_sent(url, name, current_lsn(url), 30.0)[0]):
             alive()
             raise RuntimeError("pg_recvlogical did not start streaming within 30 s")
         with env.admin() as c:
@@ -99,7 +81,7 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
             sampler = env.cpu_sampler()
             cpu0 = proc_cpu_seconds(p.pid)
             g = load(env, url, rate, env.a.step_seconds, rows)
-            caught_up = sent_past(url, name, current_lsn(url), catch_up)
+            caught_up = wait_sent(url, name, current_lsn(url), catch_up)[0]
             alive()
             servers = sampler.stop()
             cpu = proc_cpu_seconds(p.pid) - cpu0

@@ -147,6 +147,25 @@ def current_lsn(url: str) -> str:
         return c.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
 
 
+def wait_sent(url: str, slot: str, target: str, limit: float,
+              poll: float = 0.02) -> tuple[float, str | None]:
+    """Waits until the walsender streaming `slot` has sent up to `target`: (seconds it took, or
+    NaN after `limit`; the last sent position seen)."""
+    t0 = time.monotonic()
+    sent = None
+    with psycopg.connect(url, autocommit=True) as c:
+        while time.monotonic() - t0 < limit:
+            row = c.execute(
+                "SELECT r.sent_lsn::text, r.sent_lsn >= %s::pg_lsn FROM pg_replication_slots s "
+                "JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = %s",
+                (target, slot)).fetchone()
+            if row and row[1]:
+                return time.monotonic() - t0, row[0]
+            sent = row and row[0]
+            time.sleep(poll)
+    return math.nan, sent
+
+
 # A backlog transaction whose payload is about %(bytes)s bytes of jsonb text: an order id and a
 # blob of hex digits (md5 of the row number, so it does not compress: a TOASTed value stays as
 # large in the WAL as in the row).

@@ -159,6 +159,26 @@ def _backlog(a: argparse.Namespace, backlog: list[dict]) -> list[str]:
     ]
 
 
+def cpu_split(r: dict, extra_s: float = 0.0) -> dict[str, float]:
+    """Where the CPU went during one consumer's run (its `servers` sample and its own CPU), in
+    seconds; `extra_s` is CPU of processes the sample does not see (the latency proxies), which
+    `rest` then leaves out."""
+    sv = r["servers"]
+    out = {"span": sv["span_s"], "busy": sv["machine_busy_s"],
+           "walsender": sv.get("cpu_walsender_s", 0.0),
+           "walsender_wait": sv.get("wait_walsender_s", 0.0),
+           "other_pg": sv.get("cpu_pg_backend_s", 0.0) + sv.get("cpu_pg_background_s", 0.0),
+           "valkey": sv.get("cpu_valkey_s", 0.0),
+           "consumer": r["cpu_s"] + r.get("cpu_startup_s", 0.0)}
+    out["rest"] = max(0.0, out["busy"] - extra_s - sum(
+        out[k] for k in ("walsender", "other_pg", "valkey", "consumer")))
+    return out
+
+
+def cpu_cell(seconds: float, span: float) -> str:
+    return f"{seconds:.2f} ({seconds / span:.0%})"
+
+
 def _cpu(a: argparse.Namespace, backlog: list[dict], nproc: int) -> list[str]:
     """Where the machine's CPU went during each drain."""
     rows = [r for r in backlog if r.get("servers")]
@@ -176,19 +196,12 @@ def _cpu(a: argparse.Namespace, backlog: list[dict], nproc: int) -> list[str]:
         r = next((r for r in rows if r["phase"] == key), None)
         if r is None:
             continue
-        sv = r["servers"]
-        span = sv["span_s"]
-        ws = sv.get("cpu_walsender_s", 0.0)
-        other = sv.get("cpu_pg_backend_s", 0.0) + sv.get("cpu_pg_background_s", 0.0)
-        vk = sv.get("cpu_valkey_s", 0.0)
-        consumer = r["cpu_s"] + r.get("cpu_startup_s", 0.0)
-        busy = sv["machine_busy_s"]
-        rest = max(0.0, busy - (ws + other + vk + consumer))
-        pct = lambda x: f"{x:.2f} ({x / span:.0%})"  # noqa: E731
+        c = cpu_split(r)
+        pct = lambda x: cpu_cell(x, c["span"])  # noqa: E731
         lines.append(
-            f"| {label} | {span:.2f} | {pct(ws)} | {pct(sv.get('wait_walsender_s', 0.0))} "
-            f"| {pct(other)} | {pct(vk)} | {pct(consumer)} | {pct(rest)} "
-            f"| {busy / (nproc * span):.0%} |")
+            f"| {label} | {c['span']:.2f} | {pct(c['walsender'])} | {pct(c['walsender_wait'])} "
+            f"| {pct(c['other_pg'])} | {pct(c['valkey'])} | {pct(c['consumer'])} "
+            f"| {pct(c['rest'])} | {c['busy'] / (nproc * c['span']):.0%} |")
     return lines + [
         "",
         "From /proc/PID/schedstat of every process under the postmaster and of the Valkey server,"

@@ -9,7 +9,7 @@ import argparse
 
 from ceiling import cores
 from geometry import eps, median_steps
-from report import _header, _nan, _num, _rate
+from report import _header, _nan, _num, _rate, cpu_cell, cpu_split
 
 BEGIN, END = "<!-- bench-geometry:begin -->", "<!-- bench-geometry:end -->"
 
@@ -110,21 +110,17 @@ def _link_cpu(a: argparse.Namespace, backlog: list[dict]) -> list[str]:
     ]
     for p in backlog:
         for name, r in (("pg_recvlogical", p["recvlogical"]), ("stream", p["stream"])):
-            sv = r.get("servers")
-            if not sv:
+            if not r.get("servers"):
                 continue
-            span = sv["span_s"]
-            ws = sv.get("cpu_walsender_s", 0.0)
-            vk = sv.get("cpu_valkey_s", 0.0)
-            consumer = r["cpu_s"] + r.get("cpu_startup_s", 0.0)
             px = r.get("link", {}).get("proxy_cpu_s", 0.0)
-            busy = sv["machine_busy_s"]
-            rest = max(0.0, busy - (ws + vk + consumer + px))
-            pct = lambda x: f"{x:.2f} ({x / span:.0%})"  # noqa: E731
+            c = cpu_split(r, px)
+            pct = lambda x: cpu_cell(x, c["span"])  # noqa: E731
+            # This table keeps the other Postgres processes in "everything else".
             lines.append(
-                f"| {_d(p['delay'])} | {name} | {span:.2f} | {pct(ws)} "
-                f"| {pct(sv.get('wait_walsender_s', 0.0))} | {pct(vk)} | {pct(consumer)} "
-                f"| {pct(px)} | {pct(rest)} | {busy / (a.nproc * span):.0%} |")
+                f"| {_d(p['delay'])} | {name} | {c['span']:.2f} | {pct(c['walsender'])} "
+                f"| {pct(c['walsender_wait'])} | {pct(c['valkey'])} | {pct(c['consumer'])} "
+                f"| {pct(px)} | {pct(c['rest'] + c['other_pg'])} "
+                f"| {c['busy'] / (a.nproc * c['span']):.0%} |")
     return lines + [
         "",
         "As the loopback table's \"Where the CPU went\": /proc/PID/schedstat sampled every 25 ms;"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psycopg
 
-from harness import Env, Relay, log, proc_cpu_seconds, wait_pending
+from harness import Env, Relay, current_lsn, log, proc_cpu_seconds, wait_pending, wait_sent
 
 
 def steady_rates(a: argparse.Namespace) -> tuple[list[int], list[int]]:
@@ -86,18 +86,10 @@ def settle(url: str, relay: Relay, delivered: int, slot: str, timeout: float = 6
         if marked >= delivered or time.monotonic() - since > 0.5:
             break
         time.sleep(0.05)
-    with psycopg.connect(url, autocommit=True) as c:
-        target = c.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
-        sent = None
-        while time.monotonic() < deadline:
-            row = c.execute(
-                "SELECT r.sent_lsn::text, r.sent_lsn >= %s::pg_lsn FROM pg_replication_slots s "
-                "JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = %s",
-                (target, slot)).fetchone()
-            if row and row[1]:
-                return marked
-            sent = row and row[0]
-            time.sleep(0.05)
+    target = current_lsn(url)
+    took, sent = wait_sent(url, slot, target, max(0.0, deadline - time.monotonic()), 0.05)
+    if not math.isnan(took):
+        return marked
     log(f"  the walsender sent up to {sent}, not {target}, before the next step")
     return marked
 
