@@ -547,6 +547,13 @@ async fn a_partitioned_outbox_is_streamed() {
         pending, ids,
         "the stream delivers the partitioned outbox's rows in order"
     );
+    // The stream counts a task once Valkey's reply is back, which can be after the task is
+    // visible in Valkey: wait for the count rather than read it once.
+    let n = ids.len() as f64;
+    eventually("the stream counts the rows it delivered", || async {
+        (stream_delivered(&relay).await >= n).then_some(())
+    })
+    .await;
     assert_eq!(stream_delivered(&relay).await as usize, ids.len());
     relay.stop().await;
     outbox_relay::relay::prepare(&args)
