@@ -9,6 +9,11 @@
 //!   leave, up to a whole round trip (issue 16: the p99 over a link).
 //! - On a fast link (a write comes back within the timer's tick) no write leaves beside
 //!   another: the rule does not fire where group commit alone waits less than it.
+//! - On a link that answers at once, rows read one at a time leave at most one write per
+//!   `GROUP_COMMIT_WAIT` (write spacing): a write that came back at once no longer lets the next
+//!   row leave alone. A trickle slower than that waits for nothing.
+//!   Each write costs the relay and Valkey far more CPU than each task in it (issue 16: the
+//!   relay held less than logical decoding alone under single-row load).
 //!
 //! tokio's timer, paused or not, fires at whole milliseconds: rows are committed in bursts of
 //! single-row transactions once a millisecond, and a "fast" write takes no time at all.
@@ -22,12 +27,13 @@ use outbox_relay::metrics::Metrics;
 use outbox_relay::pgoutput::TableName;
 use outbox_relay::replication::session::GROUP_COMMIT_WAIT;
 use outbox_relay::replication::stream::{Stream, StreamSettings};
+use outbox_relay::sink::{Batch, Sink, SinkError, WriteOutcome};
 use outbox_relay::task::{PayloadFormat, TaskSettings};
 use sim::check::Checker;
 use sim::db::{SimDb, SimPort};
 use sim::valkey::{SimValkey, Writer};
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -72,29 +78,8 @@ fn trickle(link: Duration, per_ms: usize, ms: usize, spread: bool) -> Trickle {
                 db: db.clone(),
                 last_session: Arc::default(),
             },
-            settings: StreamSettings {
-                slot: "outbox_relay".into(),
-                table: TableName::parse("public.outbox_events").expect("name"),
-                batch_rows: 500,
-                batch_bytes: 8 << 20,
-                max_inflight: 4,
-                write_timeout: Duration::from_secs(5),
-                shutdown_timeout: Duration::from_secs(2),
-                on_slot_lost: OnSlotLost::Recreate,
-                takeover_after: Duration::from_secs(5),
-                link_timeout: None,
-                publication_check: None,
-            },
-            tasks: Arc::new(TaskSettings {
-                type_prefix: "event:".into(),
-                payload_format: PayloadFormat::Envelope,
-                default_queue: Arc::from("default"),
-                routes: Vec::new(),
-                max_retry: 25,
-                timeout_secs: 1800,
-                retention_secs: 86_400,
-                max_payload_bytes: 1 << 20,
-            }),
+            settings: settings(),
+            tasks: tasks(),
             sink: valkey.sink(Writer::Stream(0)),
             metrics: metrics.clone(),
             marker: None,
@@ -158,6 +143,139 @@ fn trickle(link: Duration, per_ms: usize, ms: usize, spread: bool) -> Trickle {
             writes: st.next_write,
             peak_writes: st.peak_writes.get("Stream(0)").copied().unwrap_or(0),
         }
+    })
+}
+
+fn settings() -> StreamSettings {
+    StreamSettings {
+        slot: "outbox_relay".into(),
+        table: TableName::parse("public.outbox_events").expect("name"),
+        batch_rows: 500,
+        batch_bytes: 8 << 20,
+        max_inflight: 4,
+        write_timeout: Duration::from_secs(5),
+        shutdown_timeout: Duration::from_secs(2),
+        on_slot_lost: OnSlotLost::Recreate,
+        takeover_after: Duration::from_secs(5),
+        link_timeout: None,
+        publication_check: None,
+    }
+}
+
+fn tasks() -> Arc<TaskSettings> {
+    Arc::new(TaskSettings {
+        type_prefix: "event:".into(),
+        payload_format: PayloadFormat::Envelope,
+        default_queue: Arc::from("default"),
+        routes: Vec::new(),
+        max_retry: 25,
+        timeout_secs: 1800,
+        retention_secs: 86_400,
+        max_payload_bytes: 1 << 20,
+    })
+}
+
+/// A sink whose every write is confirmed the moment it is issued, whatever the time, with each
+/// write's issue time and task ids recorded. The simulated Valkey applies one client's writes
+/// at least a millisecond apart (tokio's timer orders nothing finer), which spaces writes by
+/// itself; this one does not, so what spaces the writes here is the session alone.
+#[derive(Clone, Default)]
+struct InstantSink {
+    writes: Arc<Mutex<Vec<Write>>>,
+}
+
+/// One write of an [`InstantSink`]: when it was issued, and its tasks' ids.
+type Write = (Instant, Vec<String>);
+
+impl Sink for InstantSink {
+    fn write(
+        &self,
+        batch: Arc<Batch>,
+    ) -> impl std::future::Future<Output = Result<WriteOutcome, SinkError>> + Send + 'static {
+        let ids = batch.tasks.iter().map(|t| t.id.clone()).collect();
+        self.writes.lock().unwrap().push((Instant::now(), ids));
+        std::future::ready(Ok(WriteOutcome {
+            enqueued: batch.len(),
+            ..WriteOutcome::default()
+        }))
+    }
+}
+
+/// Commits `rows` single-row transactions `gap` apart (exactly: the paused clock is advanced,
+/// not slept, so the gap may be finer than the timer's millisecond) while the stream runs
+/// against an [`InstantSink`]; returns its writes and each row's commit time.
+fn rows_apart(rows: usize, gap: Duration) -> (Vec<Write>, BTreeMap<String, Instant>) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        let checker = Checker::new(SimValkey::new(1));
+        let db = SimDb::new(checker);
+        let metrics = Arc::new(Metrics::new(
+            &mut prometheus_client::registry::Registry::default(),
+        ));
+        let sink = InstantSink::default();
+        let stream = Stream {
+            port: SimPort {
+                db: db.clone(),
+                last_session: Arc::default(),
+            },
+            settings: settings(),
+            tasks: tasks(),
+            sink: sink.clone(),
+            metrics: metrics.clone(),
+            marker: None,
+            shared_ids: None,
+            slot_watch: Default::default(),
+        };
+        let shutdown = CancellationToken::new();
+        let token = shutdown.clone();
+        let running = tokio::spawn(async move { stream.run(token).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+
+        let mut committed = BTreeMap::new();
+        for i in 0..rows {
+            let id = format!("00000000-0000-4000-8000-{i:012x}");
+            db.commit(
+                &[(id.clone(), "d.created".into(), "default".into(), true)],
+                Duration::ZERO,
+            );
+            committed.insert(id, Instant::now());
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+            tokio::time::advance(gap).await;
+        }
+        let give_up = Instant::now() + Duration::from_secs(60);
+        let written = || {
+            sink.writes
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(_, ids)| ids.len())
+                .sum::<usize>()
+        };
+        while written() < rows {
+            assert!(
+                Instant::now() < give_up,
+                "not every row was written in 60 simulated seconds"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        shutdown.cancel();
+        running
+            .await
+            .expect("stream task")
+            .expect("stream ends cleanly");
+        assert_eq!(
+            metrics.invariant_violations.get(),
+            0,
+            "a session stopped on a broken invariant"
+        );
+        let writes = sink.writes.lock().unwrap().clone();
+        (writes, committed)
     })
 }
 
@@ -229,4 +347,62 @@ fn a_full_writer_is_not_handed_another_batch() {
     // A row waits at most for a slot (one write) and its own write, plus the wait and a tick.
     let bound = 2 * link + GROUP_COMMIT_WAIT + TIMER_TICK;
     assert!(worst <= bound, "a row waited {worst:?} (bound {bound:?})");
+}
+
+/// Rows committed 200 µs apart (5,000 a second) on a link that answers at once: a write leaves
+/// at most once per `GROUP_COMMIT_WAIT` (rounded up to the timer's tick), carrying what was read
+/// meanwhile, and no row waits more than that for it. Without write spacing each row left on its
+/// own the moment it was read, since the write before it had already come back: one write per
+/// row, 500 writes for these 500 rows (measured with the rule removed).
+#[test]
+fn writes_that_come_back_at_once_still_leave_one_per_wait() {
+    let rows = 500;
+    let gap = Duration::from_micros(200);
+    let (writes, committed) = rows_apart(rows, gap);
+    let span = gap * rows as u32;
+    let waits = span.as_nanos() / GROUP_COMMIT_WAIT.as_nanos();
+    eprintln!(
+        "rows {gap:?} apart, instant writes: {} writes for {rows} rows in {span:?}",
+        writes.len()
+    );
+    assert!(
+        writes.len() as u128 <= waits + 2,
+        "{} writes for {rows} rows in {span:?}: more than one per group-commit wait",
+        writes.len()
+    );
+    for pair in writes.windows(2) {
+        assert!(
+            pair[1].0 - pair[0].0 >= GROUP_COMMIT_WAIT,
+            "two writes left {:?} apart (the wait is {GROUP_COMMIT_WAIT:?})",
+            pair[1].0 - pair[0].0
+        );
+    }
+    let worst = writes
+        .iter()
+        .flat_map(|(at, ids)| ids.iter().map(|id| *at - committed[id]))
+        .max()
+        .unwrap();
+    let bound = GROUP_COMMIT_WAIT + TIMER_TICK;
+    assert!(
+        worst <= bound,
+        "a row waited {worst:?} for its write on a link that takes no time (bound {bound:?})"
+    );
+}
+
+/// A trickle slower than one row per `GROUP_COMMIT_WAIT` waits for nothing: each row leaves
+/// the moment it is read, in its own write.
+#[test]
+fn a_slow_trickle_leaves_at_once() {
+    let rows = 50;
+    let (writes, committed) = rows_apart(rows, 3 * GROUP_COMMIT_WAIT);
+    assert_eq!(writes.len(), rows, "one write per row");
+    for (at, ids) in &writes {
+        for id in ids {
+            assert_eq!(
+                *at - committed[id],
+                Duration::ZERO,
+                "row {id} waited for its write"
+            );
+        }
+    }
 }

@@ -7,10 +7,12 @@
 //! 3. a full open batch goes out as soon as the writer has room;
 //! 4. the next replication event, while the open batch has room;
 //! 5. nothing to read right now: the open batch goes out unless a write is under way (rows
-//!    then gather while it travels: group commit), or it lingers while draining a backlog;
+//!    then gather while it travels: group commit) or the newest write left less than
+//!    [`GROUP_COMMIT_WAIT`] ago (write spacing), or it lingers while draining a backlog;
 //! 6. the linger timer;
-//! 7. caught up, with a write under way for [`GROUP_COMMIT_WAIT`] already: the open batch goes
-//!    out beside it, so over a slow link a row waits at most that long, not a round trip;
+//! 7. caught up, [`GROUP_COMMIT_WAIT`] after the newest write left: the open batch goes out,
+//!    beside that write if it is still under way, so over a slow link a row waits at most that
+//!    long, not a round trip;
 //! 8. the receive deadline.
 //!
 //! Rows are streamed into batches as they arrive, so a huge transaction never sits in memory;
@@ -57,13 +59,19 @@ const BEHIND_MICROS: i64 = 50_000;
 /// event (CPU that, on a shared host, the walsender then lacks). Caught up, nothing waits: a
 /// batch leaves as soon as nothing more is readable.
 const LINGER: Duration = Duration::from_millis(2);
-/// Caught up, the rows read while a write is under way wait for it (group commit: one write
-/// carries them all) only this long after the newest write left; then they leave beside it,
-/// while the writer has room. On loopback a write is confirmed well within this, so nothing
-/// changes there; across a link of round trip R a row waited up to R for the write ahead of it
-/// before its own write could leave, and now waits at most this (rounded up to tokio's
-/// one-millisecond timer). Writes still leave at most one per this interval, so a trickle does
-/// not become one write per row. Measured in docs/benchmarks.md ("The group-commit wait").
+/// Caught up, writes leave at most one per this interval (write spacing), and a row waits at
+/// most this long after the newest write left (rounded up to tokio's one-millisecond timer):
+/// - rows read while a write is under way wait for it (group commit: one write carries them
+///   all), but only this long after it left; then they leave beside it, while the writer has
+///   room. Across a link of round trip R a row waited up to R for the write ahead of it before
+///   its own write could leave, and now waits at most this;
+/// - rows read within this interval of a write that already came back (on loopback, where a
+///   write returns in a fraction of it) wait for the rest of the interval. A trickle slower than
+///   one write per interval waits for nothing; a faster one gets larger, fewer writes, where
+///   each write costs the relay and Valkey far more CPU than each task in it (relay CPU per
+///   event fell from 37.6 to 17.0 µs as tasks per write rose from 3.3 to 11.9).
+///
+/// Measured in docs/benchmarks.md ("The group-commit wait", "Write spacing").
 pub const GROUP_COMMIT_WAIT: Duration = Duration::from_millis(1);
 /// After shutdown, how long the final acknowledgement may take to reach the server, and the
 /// connection to close.
@@ -153,19 +161,29 @@ impl<'a, S: Sink> Session<'a, S> {
         self.sent_micros - self.txn_commit_micros > BEHIND_MICROS
     }
 
-    /// When the open batch leaves beside the write under way (see [`GROUP_COMMIT_WAIT`]):
-    /// only caught up (draining a backlog, batches fill or linger instead), with room in the
-    /// writer, and not while it backs off (its retry re-sends everything unconfirmed).
-    fn beside_write_at(&self) -> Option<Instant> {
+    /// When the open batch may leave, caught up (see [`GROUP_COMMIT_WAIT`]): that long after the
+    /// newest write left, whether or not it is still under way. `None` when it has no timed
+    /// departure: empty, lingering or draining a backlog (batches then fill or linger), no room
+    /// in the writer, backing off (the retry re-sends everything unconfirmed), or no write yet.
+    fn spaced_write_at(&self) -> Option<Instant> {
         if self.open.is_empty() || self.linger_at.is_some() || self.behind() {
             return None;
         }
-        if !self.writer.can_send() {
+        if !self.writer.can_send() || self.writer.backing_off() {
             return None;
         }
         self.writer
-            .newest_write_started()
+            .last_write_started()
             .map(|at| at + GROUP_COMMIT_WAIT)
+    }
+
+    /// Step 5 may act: the open batch, with nothing to read and no write under way, lingers
+    /// (behind) or leaves (caught up, once the newest write is [`GROUP_COMMIT_WAIT`] old).
+    fn leave_when_idle(&self, spaced_at: Option<Instant>, now: Instant) -> bool {
+        if self.open.is_empty() || self.writer.busy() || self.linger_at.is_some() {
+            return false;
+        }
+        self.behind() || spaced_at.is_none_or(|at| at <= now)
     }
 
     fn open_full(&self) -> bool {
@@ -185,7 +203,8 @@ impl<'a, S: Sink> Session<'a, S> {
                 l.reading(reading, Instant::now().into_std());
                 l.deadline().map(Instant::from_std)
             });
-            let beside_write_at = self.beside_write_at();
+            let spaced_at = self.spaced_write_at();
+            let idle_leave = self.leave_when_idle(spaced_at, Instant::now());
             tokio::select! {
                 biased;
                 // 1
@@ -209,7 +228,7 @@ impl<'a, S: Sink> Session<'a, S> {
                     Err(e) => return Err(StreamError::Replication(e)),
                 },
                 // 5
-                _ = std::future::ready(()), if !self.open.is_empty() && !self.writer.busy() && self.linger_at.is_none() => {
+                _ = std::future::ready(()), if idle_leave => {
                     match self.open_since {
                         Some(since) if self.behind() => self.linger_at = Some(since + LINGER),
                         _ => self.dispatch()?,
@@ -220,7 +239,7 @@ impl<'a, S: Sink> Session<'a, S> {
                     self.dispatch()?;
                 }
                 // 7
-                _ = sleep_until_opt(beside_write_at), if beside_write_at.is_some() => {
+                _ = sleep_until_opt(spaced_at), if spaced_at.is_some() => {
                     self.dispatch()?;
                 }
                 // 8: the link is dead; nothing more is acknowledged on it.

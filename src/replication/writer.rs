@@ -107,10 +107,10 @@ impl<S: Sink> Writer<S> {
         self.retry_at.is_some()
     }
 
-    /// When the newest write still under way was issued; `None` when no write is under way
-    /// (nothing unconfirmed, or backing off: the retry re-sends everything).
-    pub fn newest_write_started(&self) -> Option<Instant> {
-        self.newest_write_at.filter(|_| !self.inflight.is_empty())
+    /// When the newest write was issued, whether or not it is still under way; `None` before
+    /// the first.
+    pub fn last_write_started(&self) -> Option<Instant> {
+        self.newest_write_at
     }
 
     /// Batches held, and their task bytes.
