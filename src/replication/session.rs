@@ -7,8 +7,9 @@
 //! 3. a full open batch goes out as soon as the writer has room;
 //! 4. the next replication event, while the open batch has room;
 //! 5. nothing to read right now: the open batch goes out unless a write is under way (rows
-//!    then gather while it travels: group commit) or the newest write left less than
-//!    [`GROUP_COMMIT_WAIT`] ago (write spacing), or it lingers while draining a backlog;
+//!    then gather while it travels: group commit) or, while rows arrive faster than two per
+//!    [`GROUP_COMMIT_WAIT`], the newest write left less than that ago (write spacing), or it
+//!    lingers while draining a backlog;
 //! 6. the linger timer;
 //! 7. caught up, [`GROUP_COMMIT_WAIT`] after the newest write left: the open batch goes out,
 //!    beside that write if it is still under way, so over a slow link a row waits at most that
@@ -56,23 +57,27 @@ const BEHIND_MICROS: i64 = 50_000;
 /// ...so its batches wait until their first row is this old, or full, rather than leaving as
 /// soon as nothing more is readable. Behind, the stream often reads faster than the walsender
 /// decodes, and sending each short read as its own write costs the relay and Valkey more CPU per
-/// event (CPU that, on a shared host, the walsender then lacks). Caught up, nothing waits: a
-/// batch leaves as soon as nothing more is readable.
+/// event (CPU that, on a shared host, the walsender then lacks). Caught up, a batch waits at
+/// most [`GROUP_COMMIT_WAIT`].
 const LINGER: Duration = Duration::from_millis(2);
-/// Caught up, writes leave at most one per this interval (write spacing), and a row waits at
-/// most this long after the newest write left (rounded up to tokio's one-millisecond timer):
+/// Caught up, a row waits at most this long after the newest write left (rounded up to tokio's
+/// one-millisecond timer), and while rows come fast writes leave at most one per this interval:
 /// - rows read while a write is under way wait for it (group commit: one write carries them
 ///   all), but only this long after it left; then they leave beside it, while the writer has
 ///   room. Across a link of round trip R a row waited up to R for the write ahead of it before
 ///   its own write could leave, and now waits at most this;
-/// - rows read within this interval of a write that already came back (on loopback, where a
-///   write returns in a fraction of it) wait for the rest of the interval. A trickle slower than
-///   one write per interval waits for nothing; a faster one gets larger, fewer writes, where
-///   each write costs the relay and Valkey far more CPU than each task in it (relay CPU per
-///   event fell from 37.6 to 17.0 µs as tasks per write rose from 3.3 to 11.9).
+/// - while rows arrive more than two per interval on average ([`Session::spacing`]), rows read
+///   within this interval of a write that already came back (on loopback, where a write
+///   returns in a fraction of it) wait for the rest of the interval: fewer, larger writes, where
+///   each row used to leave on its own. Slower rows gain nothing by waiting (the next would
+///   come after the write anyway) and leave at once.
 ///
 /// Measured in docs/benchmarks.md ("The group-commit wait", "Write spacing").
 pub const GROUP_COMMIT_WAIT: Duration = Duration::from_millis(1);
+/// The mean gap between rows read, as [`Session::spacing`] keeps it, starts at and never
+/// exceeds this (an idle minute weighs no more than a few slow rows).
+const ROW_GAP_CAP: Duration = Duration::from_millis(4);
+
 /// After shutdown, how long the final acknowledgement may take to reach the server, and the
 /// connection to close.
 const FINAL_ACK_WAIT: Duration = Duration::from_secs(3);
@@ -119,6 +124,10 @@ pub struct Session<'a, S: Sink> {
     /// Set when a silence was given one more deadline after the server showed the walsender
     /// reading (it may have answered while the probe ran); cleared by any message.
     silence_rechecked: bool,
+    /// When the last row was read, and the mean gap between rows (an exponential moving
+    /// average, each gap capped at [`ROW_GAP_CAP`]): whether write spacing pays.
+    last_row_at: Option<Instant>,
+    row_gap: Duration,
 }
 
 impl<'a, S: Sink> Session<'a, S> {
@@ -143,6 +152,8 @@ impl<'a, S: Sink> Session<'a, S> {
             open_since: None,
             linger_at: None,
             silence_rechecked: false,
+            last_row_at: None,
+            row_gap: ROW_GAP_CAP,
             liveness: cx
                 .settings
                 .link_timeout
@@ -178,12 +189,28 @@ impl<'a, S: Sink> Session<'a, S> {
     }
 
     /// Step 5 may act: the open batch, with nothing to read and no write under way, lingers
-    /// (behind) or leaves (caught up, once the newest write is [`GROUP_COMMIT_WAIT`] old).
+    /// (behind) or leaves (caught up: at once, or with write spacing once the newest write is
+    /// [`GROUP_COMMIT_WAIT`] old).
     fn leave_when_idle(&self, spaced_at: Option<Instant>, now: Instant) -> bool {
         if self.open.is_empty() || self.writer.busy() || self.linger_at.is_some() {
             return false;
         }
-        self.behind() || spaced_at.is_none_or(|at| at <= now)
+        self.behind() || !self.spacing() || spaced_at.is_none_or(|at| at <= now)
+    }
+
+    /// Write spacing pays: rows arrive more than two per [`GROUP_COMMIT_WAIT`] on average, so a
+    /// write that waits for the rest of the interval carries more than the row that started it.
+    fn spacing(&self) -> bool {
+        self.row_gap < GROUP_COMMIT_WAIT / 2
+    }
+
+    /// Counts a row read now in the mean gap between rows (weight 1/8).
+    fn row_read(&mut self, now: Instant) {
+        if let Some(last) = self.last_row_at {
+            let gap = now.saturating_duration_since(last).min(ROW_GAP_CAP);
+            self.row_gap = (self.row_gap * 7 + gap) / 8;
+        }
+        self.last_row_at = Some(now);
     }
 
     fn open_full(&self) -> bool {
@@ -452,8 +479,10 @@ impl<'a, S: Sink> Session<'a, S> {
         let built = row_text(row).and_then(|text| self.cx.tasks.build(&text, &mut self.scratch));
         match built {
             Ok(task) => {
+                let now = Instant::now();
+                self.row_read(now);
                 if self.open.is_empty() {
-                    self.open_since = Some(Instant::now());
+                    self.open_since = Some(now);
                 }
                 self.open.push_committed(task, self.txn_commit_micros);
                 self.ack.row()?;
