@@ -13,6 +13,9 @@
 # debug_asserts). old-writer-with-release-checks.guarded.patch is the same writer with today's
 # checks: they stop the session, and nothing is lost. refusals-merged-as-sorted.caught.patch is
 # the stream before review found that refusals come queue by queue, not in batch order.
+# stranded-open-batch.caught.patch is write spacing that leaves a caught-up session's open batch
+# unsent while its writer is idle: caught by the liveness check at the quiet end, which reads the
+# slot before the nodes stop (a stop sends what the session holds).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

@@ -11,9 +11,9 @@
 //!    [`GROUP_COMMIT_WAIT`], the newest write left less than that ago (write spacing), or it
 //!    lingers while draining a backlog;
 //! 6. the linger timer;
-//! 7. caught up, [`GROUP_COMMIT_WAIT`] after the newest write left: the open batch goes out,
-//!    beside that write if it is still under way, so over a slow link a row waits at most that
-//!    long, not a round trip;
+//! 7. caught up, [`GROUP_COMMIT_WAIT`] after the newest write left (while the writer backs
+//!    off, with its retry): the open batch goes out, beside that write if it is still under
+//!    way, so over a slow link a row waits at most that long, not a round trip;
 //! 8. the receive deadline.
 //!
 //! Rows are streamed into batches as they arrive, so a huge transaction never sits in memory;
@@ -60,8 +60,10 @@ const BEHIND_MICROS: i64 = 50_000;
 /// event (CPU that, on a shared host, the walsender then lacks). Caught up, a batch waits at
 /// most [`GROUP_COMMIT_WAIT`].
 const LINGER: Duration = Duration::from_millis(2);
-/// Caught up, a row waits at most this long after the newest write left (rounded up to tokio's
-/// one-millisecond timer), and while rows come fast writes leave at most one per this interval:
+/// Caught up, with room in the writer, a row waits at most this long after the newest write
+/// left (rounded up to tokio's one-millisecond timer; a retry counts as a write, and rows read
+/// while the writer backs off leave with it), and while rows come fast writes leave at most one
+/// per this interval:
 /// - rows read while a write is under way wait for it (group commit: one write carries them
 ///   all), but only this long after it left; then they leave beside it, while the writer has
 ///   room. Across a link of round trip R a row waited up to R for the write ahead of it before
@@ -173,15 +175,20 @@ impl<'a, S: Sink> Session<'a, S> {
     }
 
     /// When the open batch may leave, caught up (see [`GROUP_COMMIT_WAIT`]): that long after the
-    /// newest write left, whether or not it is still under way. `None` when it has no timed
-    /// departure: empty, lingering or draining a backlog (batches then fill or linger), no room
-    /// in the writer, backing off (the retry re-sends everything unconfirmed), or no write yet.
+    /// newest write left, whether or not it is still under way; while the writer backs off, with
+    /// its retry (which re-sends only what it holds: rows read during the backoff would otherwise
+    /// wait for the retry's reply, found by review). `None` when it has no timed departure:
+    /// empty, lingering or draining a backlog (batches then fill or linger), no room in the
+    /// writer, or no write yet.
     fn spaced_write_at(&self) -> Option<Instant> {
         if self.open.is_empty() || self.linger_at.is_some() || self.behind() {
             return None;
         }
-        if !self.writer.can_send() || self.writer.backing_off() {
+        if !self.writer.can_send() {
             return None;
+        }
+        if let Some(retry_at) = self.writer.retry_at() {
+            return Some(retry_at);
         }
         self.writer
             .last_write_started()

@@ -64,7 +64,8 @@ pub struct Writer<S: Sink> {
     metrics: Arc<Metrics>,
     /// A write failed and none has succeeded since.
     failing: bool,
-    /// When the newest write under way was issued.
+    /// When the newest write was issued (a retry re-sends at once), whether or not it is still
+    /// under way.
     newest_write_at: Option<Instant>,
 }
 
@@ -105,6 +106,12 @@ impl<S: Sink> Writer<S> {
     /// Backing off after a failure.
     pub fn backing_off(&self) -> bool {
         self.retry_at.is_some()
+    }
+
+    /// When the retry after a failure re-sends every unconfirmed batch; `None` when not backing
+    /// off.
+    pub fn retry_at(&self) -> Option<Instant> {
+        self.retry_at
     }
 
     /// When the newest write was issued, whether or not it is still under way; `None` before

@@ -131,12 +131,14 @@ impl Checker {
     /// settled, or (bad or refused) left to the poller; per queue, the stream's first enqueues
     /// in commit order.
     /// The end state; with `can_catch_up` (the stream can notice a dead link), also liveness.
-    pub fn at_end(&self, st: &State, can_catch_up: bool) {
+    /// `confirmed`: the slot's position at the quiet end, before the nodes stopped; `None` when
+    /// there is no slot or the stream could not catch up (see the caller).
+    pub fn at_end(&self, st: &State, confirmed: Option<Lsn>) {
         // Liveness: after the quiet end the stream has caught up, its slot acknowledged past the
         // last commit with outbox rows (a stream stuck retrying, its rows delivered by the
         // recovery poller instead, would pin WAL for ever).
         let last = st.wal.iter().rev().find(|t| !t.rows.is_empty());
-        if let (true, Some(confirmed), Some(last)) = (can_catch_up, st.slot_confirmed(), last) {
+        if let (Some(confirmed), Some(last)) = (confirmed, last) {
             if confirmed < last.end_lsn {
                 self.violate(format!(
                     "the stream never caught up: the slot is acknowledged to {confirmed} after \
