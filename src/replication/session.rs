@@ -57,8 +57,8 @@ const BEHIND_MICROS: i64 = 50_000;
 /// ...so its batches wait until their first row is this old, or full, rather than leaving as
 /// soon as nothing more is readable. Behind, the stream often reads faster than the walsender
 /// decodes, and sending each short read as its own write costs the relay and Valkey more CPU per
-/// event (CPU that, on a shared host, the walsender then lacks). Caught up, a batch waits at
-/// most [`GROUP_COMMIT_WAIT`].
+/// event (CPU that, on a shared host, the walsender then lacks). Caught up, a batch does not
+/// linger (see [`GROUP_COMMIT_WAIT`] for what it waits for then).
 const LINGER: Duration = Duration::from_millis(2);
 /// Caught up, with room in the writer, a row waits at most this long after the newest write
 /// left (rounded up to tokio's one-millisecond timer; a retry counts as a write, and rows read
