@@ -59,12 +59,7 @@ struct Trickle {
 /// one on every dispatch, and the run still delivered everything).
 fn trickle(link: Duration, per_ms: usize, ms: usize, spread: bool) -> Trickle {
     let rows = per_ms * ms;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("runtime");
-    rt.block_on(async move {
+    paused_runtime().block_on(async move {
         let valkey = SimValkey::new(1);
         {
             let mut st = valkey.st.lock().unwrap();
@@ -73,36 +68,11 @@ fn trickle(link: Duration, per_ms: usize, ms: usize, spread: bool) -> Trickle {
         }
         let checker = Checker::new(valkey.clone());
         let db = SimDb::new(checker.clone());
-        let metrics = Arc::new(Metrics::new(
-            &mut prometheus_client::registry::Registry::default(),
-        ));
-        let stream = Stream {
-            port: SimPort {
-                db: db.clone(),
-                last_session: Arc::default(),
-            },
-            settings: settings(),
-            tasks: tasks(),
-            sink: valkey.sink(Writer::Stream(0)),
-            metrics: metrics.clone(),
-            marker: None,
-            shared_ids: None,
-            slot_watch: Default::default(),
-        };
-        let shutdown = CancellationToken::new();
-        let token = shutdown.clone();
-        let running = tokio::spawn(async move { stream.run(token).await });
-        // Connected and caught up before the first commit.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let running = Running::start(&db, valkey.sink(Writer::Stream(0))).await;
 
         let mut committed = BTreeMap::new();
         for i in 0..rows {
-            let id = format!("00000000-0000-4000-8000-{i:012x}");
-            db.commit(
-                &[(id.clone(), "d.created".into(), "default".into(), true)],
-                Duration::ZERO,
-            );
-            committed.insert(id, Instant::now());
+            commit_row(&db, i, &mut committed);
             if (i + 1) % per_ms == 0 {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             } else if spread {
@@ -119,20 +89,11 @@ fn trickle(link: Duration, per_ms: usize, ms: usize, spread: bool) -> Trickle {
             );
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        shutdown.cancel();
-        running
-            .await
-            .expect("stream task")
-            .expect("stream ends cleanly");
+        running.stop().await;
         assert!(
             checker.violations().is_empty(),
             "{:?}",
             checker.violations()
-        );
-        assert_eq!(
-            metrics.invariant_violations.get(),
-            0,
-            "a session stopped on a broken invariant"
         );
 
         let st = valkey.st.lock().unwrap();
@@ -220,14 +181,50 @@ fn rows_apart(rows: usize, gap: Duration) -> (Vec<Write>, BTreeMap<String, Insta
 fn commit_rows<S: Sink>(sink: S, gaps: &[Duration]) -> BTreeMap<String, Instant> {
     let rows = gaps.len();
     let gaps = gaps.to_vec();
-    let rt = tokio::runtime::Builder::new_current_thread()
+    paused_runtime().block_on(async move {
+        let db = SimDb::new(Checker::new(SimValkey::new(1)));
+        let running = Running::start(&db, sink).await;
+
+        let mut committed = BTreeMap::new();
+        for (i, gap) in gaps.into_iter().enumerate() {
+            commit_row(&db, i, &mut committed);
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+            tokio::time::advance(gap).await;
+        }
+        let give_up = Instant::now() + Duration::from_secs(60);
+        while running.metrics.published.get() < rows as u64 {
+            assert!(
+                Instant::now() < give_up,
+                "not every row was written in 60 simulated seconds"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        running.stop().await;
+        committed
+    })
+}
+
+/// A current-thread runtime on a paused clock.
+fn paused_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()
-        .expect("runtime");
-    rt.block_on(async move {
-        let checker = Checker::new(SimValkey::new(1));
-        let db = SimDb::new(checker);
+        .expect("runtime")
+}
+
+/// The relay's stream running against the simulated walsender and `sink`.
+struct Running {
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), outbox_relay::replication::stream::StreamError>>,
+}
+
+impl Running {
+    /// Starts the stream and waits until it is connected and caught up.
+    async fn start<S: Sink>(db: &SimDb, sink: S) -> Self {
         let metrics = Arc::new(Metrics::new(
             &mut prometheus_client::registry::Registry::default(),
         ));
@@ -246,42 +243,38 @@ fn commit_rows<S: Sink>(sink: S, gaps: &[Duration]) -> BTreeMap<String, Instant>
         };
         let shutdown = CancellationToken::new();
         let token = shutdown.clone();
-        let running = tokio::spawn(async move { stream.run(token).await });
+        let task = tokio::spawn(async move { stream.run(token).await });
         tokio::time::sleep(Duration::from_millis(100)).await;
+        Self {
+            metrics,
+            shutdown,
+            task,
+        }
+    }
 
-        let mut committed = BTreeMap::new();
-        for (i, gap) in gaps.into_iter().enumerate() {
-            let id = row_id(i);
-            db.commit(
-                &[(id.clone(), "d.created".into(), "default".into(), true)],
-                Duration::ZERO,
-            );
-            committed.insert(id, Instant::now());
-            for _ in 0..10 {
-                tokio::task::yield_now().await;
-            }
-            tokio::time::advance(gap).await;
-        }
-        let give_up = Instant::now() + Duration::from_secs(60);
-        while metrics.published.get() < rows as u64 {
-            assert!(
-                Instant::now() < give_up,
-                "not every row was written in 60 simulated seconds"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        shutdown.cancel();
-        running
+    /// Stops the stream; fails on a broken invariant.
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.task
             .await
             .expect("stream task")
             .expect("stream ends cleanly");
         assert_eq!(
-            metrics.invariant_violations.get(),
+            self.metrics.invariant_violations.get(),
             0,
             "a session stopped on a broken invariant"
         );
-        committed
-    })
+    }
+}
+
+/// Commits row `i` as a single-row transaction and notes when.
+fn commit_row(db: &SimDb, i: usize, committed: &mut BTreeMap<String, Instant>) {
+    let id = row_id(i);
+    db.commit(
+        &[(id.clone(), "d.created".into(), "default".into(), true)],
+        Duration::ZERO,
+    );
+    committed.insert(id, Instant::now());
 }
 
 /// The event_id of the `i`th row a run commits.
