@@ -44,7 +44,7 @@ def add_geometry_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--fsync-delays", default="1", help="links of the fsync phase")
     g.add_argument("--fsync-rates", default="5000", help="steady rates of the fsync phase")
     g.add_argument("--ceiling-rates",
-                   default="5000,7500,10000,12500,15000,17500,20000,25000,30000",
+                   default="5000,7500,10000,12500,15000,17500,20000,25000,30000,35000,40000",
                    help="the ceiling search's rates, each tried until one is not held")
 
 
