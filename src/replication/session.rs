@@ -7,13 +7,13 @@
 //! 3. a full open batch goes out as soon as the writer has room;
 //! 4. the next replication event, while the open batch has room;
 //! 5. nothing to read right now: the open batch goes out unless a write is under way (rows
-//!    then gather while it travels: group commit) or, while rows arrive faster than two per
+//!    then gather while it travels: group commit) or, while rows arrive faster than one per
 //!    [`GROUP_COMMIT_WAIT`], the newest write left less than that ago (write spacing), or it
 //!    lingers while draining a backlog;
 //! 6. the linger timer;
 //! 7. caught up, [`GROUP_COMMIT_WAIT`] after the newest write left (while the writer backs
 //!    off, with its retry): the open batch goes out, beside that write if it is still under
-//!    way, so over a slow link a row waits at most that long, not a round trip;
+//!    way, so over a slow link a row waits at most that long (and the timer's tick), not a round trip;
 //! 8. the receive deadline.
 //!
 //! Rows are streamed into batches as they arrive, so a huge transaction never sits in memory;
@@ -60,22 +60,28 @@ const BEHIND_MICROS: i64 = 50_000;
 /// event (CPU that, on a shared host, the walsender then lacks). Caught up, a batch does not
 /// linger (see [`GROUP_COMMIT_WAIT`] for what it waits for then).
 const LINGER: Duration = Duration::from_millis(2);
-/// Caught up, with room in the writer, a row waits at most this long after the newest write
-/// left (rounded up to tokio's one-millisecond timer; a retry counts as a write, and rows read
-/// while the writer backs off leave with it), and while rows come fast writes leave at most one
-/// per this interval:
+/// Caught up, with room in the writer, a row waits for at least this long after the newest write
+/// left, and less than this plus tokio's timer tick (1 ms) for a timed departure; while rows come
+/// fast, writes leave at least this far apart (a retry counts as a write, and rows read while the
+/// writer backs off leave with it):
 /// - rows read while a write is under way wait for it (group commit: one write carries them
-///   all), but only this long after it left; then they leave beside it, while the writer has
-///   room. Across a link of round trip R a row waited up to R for the write ahead of it before
-///   its own write could leave, and now waits at most this;
-/// - while rows arrive more than two per interval on average ([`Session::spacing`]), rows read
-///   within this interval of a write that already came back (on loopback, where a write
-///   returns in a fraction of it) wait for the rest of the interval: fewer, larger writes, where
-///   each row used to leave on its own. Slower rows gain nothing by waiting (the next would
-///   come after the write anyway) and leave at once.
+///   all), but only until the timer past this fires; then they leave beside it, while the writer
+///   has room. Across a link of round trip R a row waited up to R for the write ahead of it before
+///   its own write could leave;
+/// - while rows arrive more than one per wait on average ([`Session::spacing`]), rows read
+///   within this of a write that already came back (on loopback, where a write returns in a
+///   fraction of it) wait for the timer: fewer, larger writes, where each row used to leave on
+///   its own. Slower rows gain nothing by waiting (the next would come after the write anyway)
+///   and leave at once.
+///
+/// Half a millisecond, so that a timed departure comes on average 1 ms after the write: tokio
+/// rounds a timer's deadline up to the end of its 1 ms tick, so a timer due this long after a
+/// write fires 0.5 to 1.5 ms after it. With a wait of 1 ms it fired 1 to 2 ms after, and on
+/// loopback at 5,000 events/s writes left 1.7 ms apart, the p50 latency 1.3 to 1.4 ms above the build without spacing
+/// (docs/benchmarks.md, "Write spacing").
 ///
 /// Measured in docs/benchmarks.md ("The group-commit wait", "Write spacing").
-pub const GROUP_COMMIT_WAIT: Duration = Duration::from_millis(1);
+pub const GROUP_COMMIT_WAIT: Duration = Duration::from_micros(500);
 /// The mean gap between rows read, as [`Session::spacing`] keeps it, starts at and never
 /// exceeds this (an idle minute weighs no more than a few slow rows).
 const ROW_GAP_CAP: Duration = Duration::from_millis(4);
@@ -205,10 +211,11 @@ impl<'a, S: Sink> Session<'a, S> {
         self.behind() || !self.spacing() || spaced_at.is_none_or(|at| at <= now)
     }
 
-    /// Write spacing pays: rows arrive more than two per [`GROUP_COMMIT_WAIT`] on average, so a
-    /// write that waits for the rest of the interval carries more than the row that started it.
+    /// Write spacing pays: rows arrive more than one per [`GROUP_COMMIT_WAIT`] on average (2,000
+    /// a second), so a write that waits for the timer (0.5 to 1.5 ms after the write before it)
+    /// carries more than the row that started it.
     fn spacing(&self) -> bool {
-        self.row_gap < GROUP_COMMIT_WAIT / 2
+        self.row_gap < GROUP_COMMIT_WAIT
     }
 
     /// Counts a row read now in the mean gap between rows (weight 1/8).
