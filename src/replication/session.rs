@@ -7,14 +7,14 @@
 //! 3. a full open batch goes out as soon as the writer has room;
 //! 4. the next replication event, while the open batch has room;
 //! 5. nothing to read right now: the open batch goes out unless a write is under way (rows
-//!    then gather while it travels: group commit) or rows arrive faster than one per
-//!    [`GROUP_COMMIT_WAIT`] (write spacing: step 7 sends it), or it lingers while draining a
-//!    backlog;
+//!    then gather while it travels: group commit) or, while rows arrive faster than one per
+//!    [`GROUP_COMMIT_WAIT`], the newest write left less than that ago (write spacing), or it
+//!    lingers while draining a backlog;
 //! 6. the linger timer;
-//! 7. caught up, the timer due [`GROUP_COMMIT_WAIT`] after the newest write left (while the
-//!    writer backs off, with its retry), which fires 0.5 to 1.5 ms after that write: the open
-//!    batch goes out, beside that write if it is still under way, so over a slow link a row
-//!    waits about a millisecond, not a round trip;
+//! 7. caught up, when the timer due [`GROUP_COMMIT_WAIT`] after the newest write left fires (0.5
+//!    to 1.5 ms after it; while the writer backs off, at its retry): the open batch goes out,
+//!    beside that write if it is still under way, so over a slow link a row waits about a
+//!    millisecond, not a round trip;
 //! 8. the receive deadline.
 //!
 //! Rows are streamed into batches as they arrive, so a huge transaction never sits in memory;
@@ -61,23 +61,27 @@ const BEHIND_MICROS: i64 = 50_000;
 /// event (CPU that, on a shared host, the walsender then lacks). Caught up, a batch does not
 /// linger (see [`GROUP_COMMIT_WAIT`] for what it waits for then).
 const LINGER: Duration = Duration::from_millis(2);
-/// Caught up, with room in the writer, a row held for a timed departure leaves when a timer due
-/// this long after the newest write left fires (a retry counts as a write, and rows read while
-/// the writer backs off leave with it). tokio fires it at the end of the millisecond tick the due
-/// time falls in: 0.5 to 1.5 ms after that write, 1 ms on average. A row is held:
-/// - while a write is under way (group commit: one write carries them all), but only until the
-///   timer fires; then the held rows leave beside it, while the writer has room. Across a link of
-///   round trip R a row waited up to R for the write ahead of it before its own write could leave;
+/// Caught up, with room in the writer, how long a row may be held after the newest write left (a
+/// retry counts as a write, and rows read while the writer backs off leave with it). A held row
+/// leaves when a timer due this long after that write fires, which tokio does at the end of the
+/// millisecond tick the due time falls in: 0.5 to 1.5 ms after the write, 1 ms on average. A row
+/// is held:
+/// - while a write is under way (group commit: one write carries them all), until the timer
+///   fires; then the held rows leave beside it, while the writer has room. Across a link of round
+///   trip R a row waited up to R for the write ahead of it before its own write could leave;
 /// - while rows arrive more than one per wait on average ([`Session::spacing`]), also after a
-///   write that already came back (on loopback, where a write returns in a fraction of the
-///   wait), so writes leave about one a millisecond: fewer, larger writes, where each row used
-///   to leave on its own (write spacing). Slower rows gain nothing by waiting (the next would
-///   come after the write anyway) and leave at once.
+///   write that already came back (on loopback, where a write returns in a fraction of the wait),
+///   if it is read less than this after that write: write spacing. A row read later leaves at
+///   once, so writes leave at least this far apart: rows arriving steadily 200 µs apart leave
+///   about 0.6 ms apart, three to a write, and rows arriving in bursts leave with their burst.
+///   Slower rows gain nothing by waiting (the next would come after the write anyway) and leave
+///   at once.
 ///
-/// Half a millisecond, so that the timer fires on average 1 ms after the write. With a wait of
-/// 1 ms it fired 1 to 2 ms after, and on loopback at 5,000 events/s writes left 1.7 ms apart,
-/// the p50 latency 1.3 to 1.4 ms above the build without spacing (docs/benchmarks.md, "Write
-/// spacing").
+/// Half a millisecond. With 1 ms the timer fired 1 to 2 ms after the write, and on loopback at
+/// 5,000 events/s writes left 1.7 ms apart, the p50 latency 1.3 to 1.4 ms above the build without
+/// spacing. Sending held rows by the timer alone (so writes leave about a millisecond apart
+/// however rows arrive) was measured too, and doubled the p50 again: docs/benchmarks.md, "The
+/// wait halved".
 ///
 /// Measured in docs/benchmarks.md ("The group-commit wait", "Write spacing", "The wait halved").
 pub const GROUP_COMMIT_WAIT: Duration = Duration::from_micros(500);
@@ -201,18 +205,14 @@ impl<'a, S: Sink> Session<'a, S> {
     }
 
     /// Step 5 may act: the open batch, with nothing to read and no write under way, lingers
-    /// (behind) or leaves at once (caught up). With write spacing it leaves by the timer of step
-    /// 7 alone, which tokio fires at the end of the millisecond tick that `spaced_at` falls in (at
-    /// once if that tick is over): so writes leave 0.5 to 1.5 ms apart, 1 ms on average, however
-    /// the rows arrive. Comparing `spaced_at` with the clock here instead let a row read just
-    /// after it leave at once, and rows arriving steadily left about 0.6 ms apart (found by
-    /// review). Without a timed departure (`spaced_at` is `None`) it leaves at once: nothing else
-    /// would send it.
-    fn leave_when_idle(&self, spaced_at: Option<Instant>) -> bool {
+    /// (behind) or leaves (caught up: at once, or with write spacing once the newest write is
+    /// [`GROUP_COMMIT_WAIT`] old; before that, step 7's timer sends it). Without a timed
+    /// departure (`spaced_at` is `None`) it leaves at once: nothing else would send it.
+    fn leave_when_idle(&self, spaced_at: Option<Instant>, now: Instant) -> bool {
         if self.open.is_empty() || self.writer.busy() || self.linger_at.is_some() {
             return false;
         }
-        self.behind() || !self.spacing() || spaced_at.is_none()
+        self.behind() || !self.spacing() || spaced_at.is_none_or(|at| at <= now)
     }
 
     /// Write spacing pays: rows arrive more than one per [`GROUP_COMMIT_WAIT`] on average (2,000
@@ -249,7 +249,7 @@ impl<'a, S: Sink> Session<'a, S> {
                 l.deadline().map(Instant::from_std)
             });
             let spaced_at = self.spaced_write_at();
-            let idle_leave = self.leave_when_idle(spaced_at);
+            let idle_leave = self.leave_when_idle(spaced_at, Instant::now());
             tokio::select! {
                 biased;
                 // 1
