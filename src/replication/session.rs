@@ -80,8 +80,8 @@ const LINGER: Duration = Duration::from_millis(2);
 /// Half a millisecond. With 1 ms the timer fired 1 to 2 ms after the write, and on loopback at
 /// 5,000 events/s writes left 1.7 ms apart, the p50 latency 1.3 to 1.4 ms above the build without
 /// spacing. Sending held rows by the timer alone (so writes leave about a millisecond apart
-/// however rows arrive) was measured too, and doubled the p50 again: docs/benchmarks.md, "The
-/// wait halved".
+/// however rows arrive) was measured too, and doubled the loopback p50 again: docs/benchmarks.md,
+/// "The wait halved".
 ///
 /// Measured in docs/benchmarks.md ("The group-commit wait", "Write spacing", "The wait halved").
 pub const GROUP_COMMIT_WAIT: Duration = Duration::from_micros(500);
