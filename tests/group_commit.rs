@@ -448,7 +448,7 @@ fn rows_just_faster_than_the_rate_gate_are_spaced() {
 /// `GROUP_COMMIT_WAIT` (half a millisecond) after the write before, at most a tick more, and
 /// on average 1 ms after it. tokio fires a timer at the end of the millisecond tick its deadline
 /// falls in: with a wait of 1 ms these writes left 1 to 2 ms after the write before (measured
-/// with the old constant: 1.51 ms on average, from 1 to 2 ms), and on loopback at 5,000 events/s writes left
+/// with the old constant: 1.51 ms on average), and on loopback at 5,000 events/s writes left
 /// 1.7 ms apart (docs/benchmarks.md, "Write spacing").
 #[test]
 fn held_rows_leave_on_average_a_millisecond_after_the_write_before() {
@@ -502,10 +502,9 @@ fn held_rows_leave_on_average_a_millisecond_after_the_write_before() {
 
 /// Rows 700 µs apart (about 1,400 a second): fewer than one per `GROUP_COMMIT_WAIT` (the rate
 /// gate is 2,000 a second), so waiting would seldom give a write a second row; each leaves the
-/// moment it is read. Without the rate
-/// gate, a row read less than the wait after the write before it waited for the timer (at 1,000
-/// events/s on loopback the p50 latency went from 0.2 ms to 0.4 to 1.2 ms; docs/benchmarks.md,
-/// "Write spacing").
+/// moment it is read. Without the rate gate, a row read less than the wait after the write before
+/// it waited for the timer (at 1,000 events/s on loopback the p50 latency went from 0.2 ms to 0.4
+/// to 1.2 ms; docs/benchmarks.md, "Write spacing").
 #[test]
 fn rows_slower_than_the_rate_gate_leave_at_once() {
     let rows = 200;
