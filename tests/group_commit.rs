@@ -30,7 +30,9 @@ mod sim;
 use outbox_relay::config::OnSlotLost;
 use outbox_relay::metrics::Metrics;
 use outbox_relay::pgoutput::TableName;
-use outbox_relay::replication::session::GROUP_COMMIT_WAIT;
+use outbox_relay::replication::session::{
+    FAST_ROWS_FROM, FAST_ROWS_UNTIL, FAST_ROWS_WAIT, GROUP_COMMIT_WAIT,
+};
 use outbox_relay::replication::stream::{Stream, StreamSettings};
 use outbox_relay::sink::{Batch, Sink, SinkError, WriteOutcome};
 use outbox_relay::task::{PayloadFormat, TaskSettings};
@@ -374,16 +376,22 @@ fn a_full_writer_is_not_handed_another_batch() {
 /// out so that a change of the constant shows here (found by review: a bound derived from the
 /// constant loosened with it).
 const SPACED: Duration = Duration::from_micros(500);
+/// The same while rows come fast: `FAST_ROWS_WAIT`, written out.
+const FAST_SPACED: Duration = Duration::from_millis(1);
+
+/// The first rows of a steady run that the mean gap between rows needs to settle: it starts at
+/// 4 ms and moves an eighth of the way at each row (27 rows to fall under the rate gate at
+/// 400 µs).
+const SETTLE: usize = 40;
 
 /// Rows committed `gap` apart (more than one per `GROUP_COMMIT_WAIT`) on a link that answers at
-/// once: once the relay has seen that rows come that fast (the first `SETTLE` rows: the mean
-/// gap it keeps starts at 4 ms and moves an eighth of the way at each row), writes leave at least
-/// `SPACED` apart, carrying what was read meanwhile, and no row waits more than that and a tick
-/// for its write.
-fn spaced_steadily(gap: Duration) {
-    const SETTLE: usize = 40;
+/// once: once the relay has seen that rows come that fast (the first `SETTLE` rows), writes
+/// leave at least `spaced` apart, carrying what was read meanwhile, and no row waits more than
+/// that and a tick for its write.
+fn spaced_steadily(gap: Duration, spaced: Duration) {
     assert_eq!(
-        GROUP_COMMIT_WAIT, SPACED,
+        (GROUP_COMMIT_WAIT, FAST_ROWS_WAIT),
+        (SPACED, FAST_SPACED),
         "the wait changed: measure it again"
     );
     let rows = 500;
@@ -391,7 +399,7 @@ fn spaced_steadily(gap: Duration) {
     let settled_at = committed[&row_id(SETTLE)];
     let settled: Vec<&Write> = writes.iter().filter(|(at, _)| *at >= settled_at).collect();
     let span = gap * (rows - SETTLE) as u32;
-    let spaced = span.as_nanos() / SPACED.as_nanos();
+    let most = span.as_nanos() / spaced.as_nanos();
     eprintln!(
         "rows {gap:?} apart, instant writes: {} writes for {rows} rows, {} of them for the last {} rows in {span:?}",
         writes.len(),
@@ -399,15 +407,15 @@ fn spaced_steadily(gap: Duration) {
         rows - SETTLE
     );
     assert!(
-        settled.len() as u128 <= spaced + 2,
-        "{} writes for {} rows in {span:?}: more than one per {SPACED:?}",
+        settled.len() as u128 <= most + 2,
+        "{} writes for {} rows in {span:?}: more than one per {spaced:?}",
         settled.len(),
         rows - SETTLE
     );
     for pair in settled.windows(2) {
         assert!(
-            pair[1].0 - pair[0].0 >= SPACED,
-            "two writes left {:?} apart (at least {SPACED:?})",
+            pair[1].0 - pair[0].0 >= spaced,
+            "two writes left {:?} apart (at least {spaced:?})",
             pair[1].0 - pair[0].0
         );
     }
@@ -416,7 +424,7 @@ fn spaced_steadily(gap: Duration) {
         .flat_map(|(at, ids)| ids.iter().map(|id| *at - committed[id]))
         .max()
         .unwrap();
-    let bound = SPACED + TIMER_TICK;
+    let bound = spaced + TIMER_TICK;
     assert!(
         worst <= bound,
         "a row waited {worst:?} for its write on a link that takes no time (bound {bound:?})"
@@ -431,14 +439,102 @@ fn spaced_steadily(gap: Duration) {
 /// latency at 5,000 events/s (docs/benchmarks.md, "The wait halved").
 #[test]
 fn writes_that_come_back_at_once_still_leave_spaced() {
-    spaced_steadily(Duration::from_micros(200));
+    spaced_steadily(Duration::from_micros(200), SPACED);
 }
 
 /// Rows 400 µs apart (2,500 a second), just faster than the rate gate (2,000 a second): spaced
 /// too. A gate moved up to 4,000 a second would send each row on its own (460 writes).
 #[test]
 fn rows_just_faster_than_the_rate_gate_are_spaced() {
-    spaced_steadily(Duration::from_micros(400));
+    spaced_steadily(Duration::from_micros(400), SPACED);
+}
+
+/// Rows 50 µs apart (20,000 a second): rows come fast, and writes leave at least
+/// `FAST_ROWS_WAIT` (1 ms) apart, about 20 rows each. With the half-millisecond wait at every
+/// rate, they left 0.55 ms apart, 11 rows each: on a 2-core host shared with Postgres that wait
+/// held about one step less in the ceiling search (docs/benchmarks.md, "The wait halved").
+#[test]
+fn fast_rows_wait_a_millisecond() {
+    spaced_steadily(Duration::from_micros(50), FAST_SPACED);
+}
+
+/// How many writes were issued from the commit of row `from` to that of row `to`, and the
+/// least time between two of them.
+fn writes_while(
+    writes: &[Write],
+    committed: &BTreeMap<String, Instant>,
+    from: usize,
+    to: usize,
+) -> (usize, Duration) {
+    let (start, end) = (committed[&row_id(from)], committed[&row_id(to)]);
+    let within: Vec<Instant> = writes
+        .iter()
+        .map(|(at, _)| *at)
+        .filter(|at| *at >= start && *at < end)
+        .collect();
+    let least = within
+        .windows(2)
+        .map(|pair| pair[1] - pair[0])
+        .min()
+        .unwrap_or(Duration::MAX);
+    (within.len(), least)
+}
+
+/// The wait changes with the rate of rows, with a margin between the two edges so it does not
+/// flip with every burst: rows 150 µs apart (about 6,700 a second, between `FAST_ROWS_FROM` and
+/// `FAST_ROWS_UNTIL`) keep the 1 ms wait after rows that came fast, and keep the half-millisecond
+/// wait after rows that came slowly; rows 250 µs apart (4,000 a second) go back to the
+/// half-millisecond wait. Rows a gap `g` apart with a wait `w` leave about every `w` rounded up
+/// to a whole `g`: 0.6 ms apart at 150 µs with the short wait, 1.05 ms with the long one.
+#[test]
+fn the_wait_follows_the_rate_with_a_margin() {
+    assert!(
+        FAST_ROWS_FROM < Duration::from_micros(150) && Duration::from_micros(150) < FAST_ROWS_UNTIL,
+        "150 µs must lie between the edges"
+    );
+    assert!(FAST_ROWS_UNTIL < Duration::from_micros(250));
+    let phase = 300;
+    let mut gaps = vec![Duration::from_micros(50); phase];
+    gaps.extend([Duration::from_micros(150); 300]);
+    gaps.extend([Duration::from_micros(250); 300]);
+    let sink = InstantSink::default();
+    let committed = commit_rows(sink.clone(), &gaps);
+    let writes = sink.writes.lock().unwrap().clone();
+
+    let (n, least) = writes_while(&writes, &committed, phase + SETTLE, 2 * phase);
+    eprintln!("150 µs after fast rows: {n} writes, at least {least:?} apart");
+    assert!(
+        least >= FAST_SPACED,
+        "after fast rows, rows 150 µs apart went back to the short wait (writes {least:?} apart)"
+    );
+    let (n, least) = writes_while(&writes, &committed, 2 * phase + SETTLE, 3 * phase - 1);
+    let span = Duration::from_micros(250) * (phase - SETTLE - 1) as u32;
+    eprintln!("250 µs after that: {n} writes in {span:?}, at least {least:?} apart");
+    assert!(
+        least >= SPACED && least < FAST_SPACED,
+        "rows 250 µs apart kept the long wait (writes at least {least:?} apart)"
+    );
+    // Half-millisecond spacing: a write every 0.5 ms, twice as many as the 1 ms wait allows.
+    assert!(
+        n as u128 * FAST_SPACED.as_nanos() >= span.as_nanos() * 3 / 2,
+        "{n} writes in {span:?}: rows 250 µs apart kept the long wait"
+    );
+
+    let sink = InstantSink::default();
+    let committed = commit_rows(sink.clone(), &vec![Duration::from_micros(150); phase]);
+    let writes = sink.writes.lock().unwrap().clone();
+    let (n, least) = writes_while(&writes, &committed, SETTLE, phase - 1);
+    let span = Duration::from_micros(150) * (phase - SETTLE - 1) as u32;
+    eprintln!("150 µs from the start: {n} writes in {span:?}, at least {least:?} apart");
+    assert!(
+        least < FAST_SPACED,
+        "rows 150 µs apart took the long wait without coming fast first"
+    );
+    // 0.6 ms apart with the short wait, 1.05 ms with the long one.
+    assert!(
+        n as u128 * FAST_SPACED.as_nanos() >= span.as_nanos() * 3 / 2,
+        "{n} writes in {span:?}: rows 150 µs apart took the long wait"
+    );
 }
 
 /// Bursts of ten rows 50 µs apart, one every 3.65 ms (about 2,700 rows a second), so the

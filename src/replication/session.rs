@@ -8,13 +8,14 @@
 //! 4. the next replication event, while the open batch has room;
 //! 5. nothing to read right now: the open batch goes out unless a write is under way (rows
 //!    then gather while it travels: group commit) or, while rows arrive faster than one per
-//!    [`GROUP_COMMIT_WAIT`], the newest write left less than that ago (write spacing), or it
-//!    lingers while draining a backlog;
+//!    [`GROUP_COMMIT_WAIT`], the newest write left less than the wait ago (write spacing), or
+//!    it lingers while draining a backlog;
 //! 6. the linger timer;
-//! 7. caught up, when the timer due [`GROUP_COMMIT_WAIT`] after the newest write left fires (0.5
-//!    to 1.5 ms after it; while the writer backs off, at its retry): the open batch goes out,
-//!    beside that write if it is still under way, so over a slow link a row waits about a
-//!    millisecond, not a round trip;
+//! 7. caught up, when the timer due the wait after the newest write left fires (the wait is
+//!    [`GROUP_COMMIT_WAIT`], 0.5 ms, so 0.5 to 1.5 ms after it; [`FAST_ROWS_WAIT`] while rows come
+//!    fast; while the writer backs off, at its retry): the open batch goes out, beside that write
+//!    if it is still under way, so over a slow link a row waits about a millisecond, not a round
+//!    trip;
 //! 8. the receive deadline.
 //!
 //! Rows are streamed into batches as they arrive, so a huge transaction never sits in memory;
@@ -85,6 +86,20 @@ const LINGER: Duration = Duration::from_millis(2);
 ///
 /// Measured in docs/benchmarks.md ("The group-commit wait", "Write spacing", "The wait halved").
 pub const GROUP_COMMIT_WAIT: Duration = Duration::from_micros(500);
+/// The wait instead of [`GROUP_COMMIT_WAIT`] while rows come fast: from when the mean gap
+/// between rows falls under [`FAST_ROWS_FROM`] until it rises over [`FAST_ROWS_UNTIL`]. A timer
+/// due 1 ms after the write fires 1 to 2 ms after it, so writes carry about twice the rows. At
+/// those rates no latency target applies and what each write costs the relay and Valkey in CPU
+/// decides the highest rate the relay keeps up with: on a 2-core host shared with Postgres the
+/// 0.5 ms wait held about one step (2,500 rows/s) less than the 1 ms wait in the ceiling search
+/// (docs/benchmarks.md, "The wait halved", "A wait that lengthens with the rate").
+pub const FAST_ROWS_WAIT: Duration = Duration::from_millis(1);
+/// Rows come fast from when their mean gap falls under this (10,000 rows/s read one by one; the
+/// mean dips under it at about 8,000 rows/s committed in millisecond bursts)...
+pub const FAST_ROWS_FROM: Duration = Duration::from_micros(100);
+/// ...until it rises over this (5,000 rows/s, where the latency target applies), so a rate
+/// between the two keeps the wait it had and the wait does not flip within a burst.
+pub const FAST_ROWS_UNTIL: Duration = Duration::from_micros(200);
 /// The mean gap between rows read, as [`Session::spacing`] keeps it, starts at and never
 /// exceeds this (an idle minute weighs no more than a few slow rows).
 const ROW_GAP_CAP: Duration = Duration::from_millis(4);
@@ -139,6 +154,8 @@ pub struct Session<'a, S: Sink> {
     /// average, each gap capped at [`ROW_GAP_CAP`]): whether write spacing pays.
     last_row_at: Option<Instant>,
     row_gap: Duration,
+    /// Rows come fast: the wait is [`FAST_ROWS_WAIT`] (see [`Session::row_read`]).
+    fast_rows: bool,
 }
 
 impl<'a, S: Sink> Session<'a, S> {
@@ -165,6 +182,7 @@ impl<'a, S: Sink> Session<'a, S> {
             silence_rechecked: false,
             last_row_at: None,
             row_gap: ROW_GAP_CAP,
+            fast_rows: false,
             liveness: cx
                 .settings
                 .link_timeout
@@ -183,8 +201,8 @@ impl<'a, S: Sink> Session<'a, S> {
         self.sent_micros - self.txn_commit_micros > BEHIND_MICROS
     }
 
-    /// When the open batch may leave, caught up (see [`GROUP_COMMIT_WAIT`]): that long after the
-    /// newest write left, whether or not it is still under way; while the writer backs off, with
+    /// When the open batch may leave, caught up (see [`GROUP_COMMIT_WAIT`]): the wait
+    /// ([`Session::wait`]) after the newest write left, whether or not it is still under way; while the writer backs off, with
     /// its retry (which re-sends only what it holds: rows read during the backoff would otherwise
     /// wait for the retry's reply, found by review). `None` when it has no timed departure:
     /// empty, lingering or draining a backlog (batches then fill or linger), no room in the
@@ -199,14 +217,22 @@ impl<'a, S: Sink> Session<'a, S> {
         if let Some(retry_at) = self.writer.retry_at() {
             return Some(retry_at);
         }
-        self.writer
-            .last_write_started()
-            .map(|at| at + GROUP_COMMIT_WAIT)
+        self.writer.last_write_started().map(|at| at + self.wait())
+    }
+
+    /// How long after the newest write a held row leaves: [`GROUP_COMMIT_WAIT`], or
+    /// [`FAST_ROWS_WAIT`] while rows come fast.
+    fn wait(&self) -> Duration {
+        if self.fast_rows {
+            FAST_ROWS_WAIT
+        } else {
+            GROUP_COMMIT_WAIT
+        }
     }
 
     /// Step 5 may act: the open batch, with nothing to read and no write under way, lingers
     /// (behind) or leaves (caught up: at once, or with write spacing once the newest write is
-    /// [`GROUP_COMMIT_WAIT`] old; before that, step 7's timer sends it). Without a timed
+    /// the wait old; before that, step 7's timer sends it). Without a timed
     /// departure (`spaced_at` is `None`) it leaves at once: nothing else would send it.
     fn leave_when_idle(&self, spaced_at: Option<Instant>, now: Instant) -> bool {
         if self.open.is_empty() || self.writer.busy() || self.linger_at.is_some() {
@@ -222,13 +248,19 @@ impl<'a, S: Sink> Session<'a, S> {
         self.row_gap < GROUP_COMMIT_WAIT
     }
 
-    /// Counts a row read now in the mean gap between rows (weight 1/8).
+    /// Counts a row read now in the mean gap between rows (weight 1/8), and whether rows come
+    /// fast (the mean under [`FAST_ROWS_FROM`], until it rises over [`FAST_ROWS_UNTIL`]).
     fn row_read(&mut self, now: Instant) {
         if let Some(last) = self.last_row_at {
             let gap = now.saturating_duration_since(last).min(ROW_GAP_CAP);
             self.row_gap = (self.row_gap * 7 + gap) / 8;
         }
         self.last_row_at = Some(now);
+        if self.row_gap < FAST_ROWS_FROM {
+            self.fast_rows = true;
+        } else if self.row_gap > FAST_ROWS_UNTIL {
+            self.fast_rows = false;
+        }
     }
 
     fn open_full(&self) -> bool {
