@@ -12,10 +12,10 @@
 //!    it lingers while draining a backlog;
 //! 6. the linger timer;
 //! 7. caught up, when the timer due the wait after the newest write left fires (the wait is
-//!    [`GROUP_COMMIT_WAIT`], 0.5 ms, so 0.5 to 1.5 ms after it; [`FAST_ROWS_WAIT`] while rows come
-//!    fast; while the writer backs off, at its retry): the open batch goes out, beside that write
-//!    if it is still under way, so over a slow link a row waits about a millisecond, not a round
-//!    trip;
+//!    [`GROUP_COMMIT_WAIT`], 0.5 ms, so 0.5 to 1.5 ms after it; [`FAST_ROWS_WAIT`], 1 to 2 ms,
+//!    while rows come fast; while the writer backs off, at its retry): the open batch goes out,
+//!    beside that write if it is still under way, so over a slow link a row waits a millisecond
+//!    or two, not a round trip;
 //! 8. the receive deadline.
 //!
 //! Rows are streamed into batches as they arrive, so a huge transaction never sits in memory;
@@ -63,10 +63,10 @@ const BEHIND_MICROS: i64 = 50_000;
 /// linger (see [`GROUP_COMMIT_WAIT`] for what it waits for then).
 const LINGER: Duration = Duration::from_millis(2);
 /// Caught up, with room in the writer, how long a row may be held after the newest write left (a
-/// retry counts as a write, and rows read while the writer backs off leave with it). A held row
-/// leaves when a timer due this long after that write fires, which tokio does at the end of the
-/// millisecond tick the due time falls in: 0.5 to 1.5 ms after the write, 1 ms on average. A row
-/// is held:
+/// retry counts as a write, and rows read while the writer backs off leave with it), unless rows
+/// come fast ([`FAST_ROWS_WAIT`] then). A held row leaves when a timer due this long after that
+/// write fires, which tokio does at the end of the millisecond tick the due time falls in: 0.5 to
+/// 1.5 ms after the write, 1 ms on average. A row is held:
 /// - while a write is under way (group commit: one write carries them all), until the timer
 ///   fires; then the held rows leave beside it, while the writer has room. Across a link of round
 ///   trip R a row waited up to R for the write ahead of it before its own write could leave;
@@ -86,22 +86,24 @@ const LINGER: Duration = Duration::from_millis(2);
 ///
 /// Measured in docs/benchmarks.md ("The group-commit wait", "Write spacing", "The wait halved").
 pub const GROUP_COMMIT_WAIT: Duration = Duration::from_micros(500);
-/// The wait instead of [`GROUP_COMMIT_WAIT`] while rows come fast: from when the mean gap
-/// between rows falls under [`FAST_ROWS_FROM`] until it rises over [`FAST_ROWS_UNTIL`]. A timer
-/// due 1 ms after the write fires 1 to 2 ms after it, so writes carry about twice the rows. At
-/// those rates no latency target applies and what each write costs the relay and Valkey in CPU
-/// decides the highest rate the relay keeps up with: on a 2-core host shared with Postgres the
-/// 0.5 ms wait held about one step (2,500 rows/s) less than the 1 ms wait in the ceiling search
+/// The wait instead of [`GROUP_COMMIT_WAIT`] while rows come fast: from when the slow mean gap
+/// between rows ([`Session::row_read`]) falls under [`FAST_ROWS_FROM`] until it rises over
+/// [`FAST_ROWS_UNTIL`]. A timer due 1 ms after the write fires 1 to 2 ms after it, so writes
+/// leave at least 1 ms apart and carry more rows (rows 80 µs apart: 12.5 a write, not 6.9, on
+/// the simulation's clock). At those rates no latency target applies, and what each write costs
+/// the relay and Valkey in CPU decides the highest rate the relay keeps up with: on a 2-core
+/// host shared with Postgres a 0.5 ms wait at every rate held less in the ceiling search
 /// (docs/benchmarks.md, "The wait halved", "A wait that lengthens with the rate").
 pub const FAST_ROWS_WAIT: Duration = Duration::from_millis(1);
-/// Rows come fast from when their mean gap falls under this (10,000 rows/s read one by one; the
-/// mean dips under it at about 8,000 rows/s committed in millisecond bursts)...
+/// Rows come fast from when their slow mean gap falls under this (10,000 rows/s)...
 pub const FAST_ROWS_FROM: Duration = Duration::from_micros(100);
-/// ...until it rises over this (5,000 rows/s, where the latency target applies), so a rate
-/// between the two keeps the wait it had and the wait does not flip within a burst.
-pub const FAST_ROWS_UNTIL: Duration = Duration::from_micros(200);
-/// The mean gap between rows read, as [`Session::spacing`] keeps it, starts at and never
-/// exceeds this (an idle minute weighs no more than a few slow rows).
+/// ...until it rises over this (about 6,700 rows/s), so a rate between the two keeps the wait it
+/// had. Well under 200 µs: rows steadily 200 µs apart (5,000/s, where the latency target
+/// applies) bring the mean to 200 µs only from below, so an edge at 200 µs kept the long wait at
+/// 5,000/s after fast rows (found by review).
+pub const FAST_ROWS_UNTIL: Duration = Duration::from_micros(150);
+/// The mean gaps between rows read ([`Session::row_read`]) start at this, and no gap counts for
+/// more (an idle minute weighs no more than a few slow rows).
 const ROW_GAP_CAP: Duration = Duration::from_millis(4);
 
 /// After shutdown, how long the final acknowledgement may take to reach the server, and the
@@ -154,7 +156,9 @@ pub struct Session<'a, S: Sink> {
     /// average, each gap capped at [`ROW_GAP_CAP`]): whether write spacing pays.
     last_row_at: Option<Instant>,
     row_gap: Duration,
-    /// Rows come fast: the wait is [`FAST_ROWS_WAIT`] (see [`Session::row_read`]).
+    /// The same mean moving slowly (weight 1/32), and whether it says rows come fast (the wait is
+    /// then [`FAST_ROWS_WAIT`]; see [`Session::row_read`]).
+    slow_row_gap: Duration,
     fast_rows: bool,
 }
 
@@ -182,6 +186,7 @@ impl<'a, S: Sink> Session<'a, S> {
             silence_rechecked: false,
             last_row_at: None,
             row_gap: ROW_GAP_CAP,
+            slow_row_gap: ROW_GAP_CAP,
             fast_rows: false,
             liveness: cx
                 .settings
@@ -202,9 +207,9 @@ impl<'a, S: Sink> Session<'a, S> {
     }
 
     /// When the open batch may leave, caught up (see [`GROUP_COMMIT_WAIT`]): the wait
-    /// ([`Session::wait`]) after the newest write left, whether or not it is still under way; while the writer backs off, with
-    /// its retry (which re-sends only what it holds: rows read during the backoff would otherwise
-    /// wait for the retry's reply, found by review). `None` when it has no timed departure:
+    /// ([`Session::wait`]) after the newest write left, whether or not it is still under way;
+    /// while the writer backs off, with its retry (which re-sends only what it holds: rows read
+    /// during the backoff would otherwise wait for the retry's reply, found by review). `None` when it has no timed departure:
     /// empty, lingering or draining a backlog (batches then fill or linger), no room in the
     /// writer, or no write yet.
     fn spaced_write_at(&self) -> Option<Instant> {
@@ -232,8 +237,8 @@ impl<'a, S: Sink> Session<'a, S> {
 
     /// Step 5 may act: the open batch, with nothing to read and no write under way, lingers
     /// (behind) or leaves (caught up: at once, or with write spacing once the newest write is
-    /// the wait old; before that, step 7's timer sends it). Without a timed
-    /// departure (`spaced_at` is `None`) it leaves at once: nothing else would send it.
+    /// the wait old; before that, step 7's timer sends it). Without a timed departure
+    /// (`spaced_at` is `None`) it leaves at once: nothing else would send it.
     fn leave_when_idle(&self, spaced_at: Option<Instant>, now: Instant) -> bool {
         if self.open.is_empty() || self.writer.busy() || self.linger_at.is_some() {
             return false;
@@ -248,17 +253,24 @@ impl<'a, S: Sink> Session<'a, S> {
         self.row_gap < GROUP_COMMIT_WAIT
     }
 
-    /// Counts a row read now in the mean gap between rows (weight 1/8), and whether rows come
-    /// fast (the mean under [`FAST_ROWS_FROM`], until it rises over [`FAST_ROWS_UNTIL`]).
+    /// Counts a row read now in the mean gaps between rows: the quick one (weight 1/8), for write
+    /// spacing's rate gate, and the slow one (weight 1/32), for whether rows come fast (under
+    /// [`FAST_ROWS_FROM`], until it rises over [`FAST_ROWS_UNTIL`]). The slow mean keeps the
+    /// wait from following each burst or each chance run of short gaps: with rows at random
+    /// times 5,000 a second, the quick mean falls under 100 µs now and then (found by review),
+    /// and rows committed in millisecond bursts swing it by more than the margin at 7,000 a
+    /// second. After an idle 4 ms the quick mean is at least 500 µs: write spacing is off, and
+    /// the next row leaves at once whatever the wait.
     fn row_read(&mut self, now: Instant) {
         if let Some(last) = self.last_row_at {
             let gap = now.saturating_duration_since(last).min(ROW_GAP_CAP);
             self.row_gap = (self.row_gap * 7 + gap) / 8;
+            self.slow_row_gap = (self.slow_row_gap * 31 + gap) / 32;
         }
         self.last_row_at = Some(now);
-        if self.row_gap < FAST_ROWS_FROM {
+        if self.slow_row_gap < FAST_ROWS_FROM {
             self.fast_rows = true;
-        } else if self.row_gap > FAST_ROWS_UNTIL {
+        } else if self.slow_row_gap > FAST_ROWS_UNTIL {
             self.fast_rows = false;
         }
     }
