@@ -450,14 +450,14 @@ fn rows_just_faster_than_the_rate_gate_are_spaced() {
 }
 
 /// Rows 80 µs apart (12,500 a second): rows come fast, and writes leave at least
-/// `FAST_ROWS_WAIT` (1 ms) apart, 12.5 rows each. With the half-millisecond wait at every rate
-/// they left 0.55 ms apart, 6.9 rows each (measured with the long wait off): on a 2-core host
-/// shared with Postgres that wait held less in the ceiling search (docs/benchmarks.md, "A wait that
-/// lengthens with the rate"). The slow mean the relay keeps starts at 4 ms and moves a 32nd of
-/// the way at each row: it falls under 100 µs after 167 rows.
+/// `FAST_ROWS_WAIT` (1 ms) apart, 12.9 rows each. With the half-millisecond wait at every rate
+/// they left 0.55 ms apart on average, 6.9 rows each (measured with the long wait off): on a
+/// 2-core host shared with Postgres that wait held less in the ceiling search
+/// (docs/benchmarks.md, "A wait that lengthens with the rate"). The relay counts rows over 20 ms (`RATE_WINDOW`) before it says
+/// they come fast: 250 rows here.
 #[test]
 fn fast_rows_wait_a_millisecond() {
-    spaced_steadily(Duration::from_micros(80), FAST_SPACED, 250, 700);
+    spaced_steadily(Duration::from_micros(80), FAST_SPACED, 300, 750);
 }
 
 /// How many writes were issued from the commit of row `from` to that of row `to`, and the
@@ -498,22 +498,25 @@ fn the_wait_follows_the_rate_with_a_margin() {
         FAST_ROWS_FROM < between && between < FAST_ROWS_UNTIL && FAST_ROWS_UNTIL < latency_target,
         "the rates must lie between and beyond the edges"
     );
-    let phase = 300;
-    let mut gaps = vec![Duration::from_micros(50); phase];
-    gaps.extend(vec![between; phase]);
-    gaps.extend(vec![latency_target; phase]);
+    // Each phase 60 to 100 ms: at least two windows of 20 ms (`RATE_WINDOW`) to settle in, 40 ms.
+    let (fast, mid, slow) = (1_200, 480, 500);
+    let settle = |gap: Duration| (Duration::from_millis(40).as_nanos() / gap.as_nanos()) as usize;
+    let mut gaps = vec![Duration::from_micros(50); fast];
+    gaps.extend(vec![between; mid]);
+    gaps.extend(vec![latency_target; slow]);
     let sink = InstantSink::default();
     let committed = commit_rows(sink.clone(), &gaps);
     let writes = sink.writes.lock().unwrap().clone();
 
-    let (n, least) = writes_while(&writes, &committed, phase + SETTLE, 2 * phase);
+    let (n, least) = writes_while(&writes, &committed, fast, fast + mid);
     eprintln!("125 µs after fast rows: {n} writes, at least {least:?} apart");
     assert!(
         least >= FAST_SPACED,
         "after fast rows, rows 125 µs apart went back to the short wait (writes {least:?} apart)"
     );
-    let (n, least) = writes_while(&writes, &committed, 2 * phase + SETTLE, 3 * phase - 1);
-    let span = latency_target * (phase - SETTLE - 1) as u32;
+    let from = fast + mid + settle(latency_target);
+    let (n, least) = writes_while(&writes, &committed, from, fast + mid + slow - 1);
+    let span = latency_target * (fast + mid + slow - 1 - from) as u32;
     eprintln!("200 µs after that: {n} writes in {span:?}, at least {least:?} apart");
     assert!(
         least >= SPACED && least < FAST_SPACED,
@@ -526,10 +529,10 @@ fn the_wait_follows_the_rate_with_a_margin() {
     );
 
     let sink = InstantSink::default();
-    let committed = commit_rows(sink.clone(), &vec![between; phase]);
+    let committed = commit_rows(sink.clone(), &vec![between; mid]);
     let writes = sink.writes.lock().unwrap().clone();
-    let (n, least) = writes_while(&writes, &committed, SETTLE, phase - 1);
-    let span = between * (phase - SETTLE - 1) as u32;
+    let (n, least) = writes_while(&writes, &committed, SETTLE, mid - 1);
+    let span = between * (mid - SETTLE - 1) as u32;
     eprintln!("125 µs from the start: {n} writes in {span:?}, at least {least:?} apart");
     assert!(
         least < FAST_SPACED,
@@ -542,24 +545,20 @@ fn the_wait_follows_the_rate_with_a_margin() {
     );
 }
 
-/// Bursts of twenty rows 10 µs apart, one every 4.05 ms (about 4,900 rows a second, where the
-/// latency target applies; the bursts start at every twentieth of the timer's tick in turn).
-/// Within a burst the gaps are so short that the quick mean (weight 1/8) falls to about 50 µs,
-/// under `FAST_ROWS_FROM`; the slow mean the wait follows stays above it. So the rows write
-/// spacing holds leave on the half-millisecond wait: at most a tick and a half after the write
-/// before. With the quick mean deciding, they waited for the 1 ms wait (up to 1.99 ms).
-#[test]
-fn bursts_at_the_latency_target_keep_the_short_wait() {
-    let bursts = 40;
+/// Commits bursts of `rows` rows `within` apart, a burst every `every`, `bursts` times, on a
+/// link that answers at once; fails unless the rows write spacing holds after the first quarter
+/// leave on the half-millisecond wait: at most a tick and a half after the write before (and
+/// `within`, the clock's step).
+fn bursts_keep_the_short_wait(rows: usize, within: Duration, every: Duration, bursts: usize) {
     let mut gaps = Vec::new();
     for _ in 0..bursts {
-        gaps.extend([Duration::from_micros(10); 19]);
-        gaps.push(Duration::from_micros(3_860));
+        gaps.extend(vec![within; rows - 1]);
+        gaps.push(every - within * (rows - 1) as u32);
     }
     let sink = InstantSink::default();
     let committed = commit_rows(sink.clone(), &gaps);
     let writes = sink.writes.lock().unwrap().clone();
-    let settled_at = committed[&row_id(10 * 20)];
+    let settled_at = committed[&row_id(bursts / 4 * rows)];
     let held: Vec<Duration> = writes
         .windows(2)
         .filter(|pair| pair[0].0 >= settled_at)
@@ -567,7 +566,8 @@ fn bursts_at_the_latency_target_keep_the_short_wait() {
         .map(|pair| pair[1].0 - pair[0].0)
         .collect();
     eprintln!(
-        "{} writes for {} rows; {} held, at most {:?} after the write before",
+        "bursts of {rows} every {every:?}: {} writes for {} rows; {} held, at most {:?} after the \
+         write before",
         writes.len(),
         gaps.len(),
         held.len(),
@@ -578,12 +578,44 @@ fn bursts_at_the_latency_target_keep_the_short_wait() {
         "only {} writes carried rows that write spacing held",
         held.len()
     );
+    // The clock moves `within` at a time inside a burst, so a timer fires up to that late.
+    let bound = SPACED + TIMER_TICK + within;
     for after in &held {
         assert!(
-            *after <= SPACED + TIMER_TICK,
-            "a held write left {after:?} after the write before: the long wait at 5,000 rows/s"
+            *after <= bound,
+            "a held write left {after:?} after the write before (bound {bound:?}): the long wait \
+             at 5,000 rows/s"
         );
     }
+}
+
+/// Bursts of twenty rows 10 µs apart, one every 4.05 ms (about 4,900 rows a second, where the
+/// latency target applies; the bursts start at every twentieth of the timer's tick in turn).
+/// Within a burst the gaps are so short that the quick mean (weight 1/8) falls to about 50 µs,
+/// under `FAST_ROWS_FROM`; over 20 ms the rows come 200 µs apart. So the rows write spacing
+/// holds leave on the half-millisecond wait. With the quick mean deciding, they waited for the
+/// 1 ms wait (up to 1.99 ms after the write before).
+#[test]
+fn bursts_at_the_latency_target_keep_the_short_wait() {
+    bursts_keep_the_short_wait(
+        20,
+        Duration::from_micros(10),
+        Duration::from_micros(4_050),
+        40,
+    );
+}
+
+/// Larger bursts at the same rate: 50 rows 20 µs apart every 10.05 ms, and 100 rows 10 or 40 µs
+/// apart every 20.05 ms (found by review: a moving mean of gaps, each capped at 4 ms, fell under
+/// 100 µs for bursts of 30 rows or more, at any rate). Counted over 20 ms they come 200 µs apart;
+/// counted over 2 ms, the 4 ms bursts came fast.
+#[test]
+fn large_bursts_at_the_latency_target_keep_the_short_wait() {
+    let us = Duration::from_micros;
+    bursts_keep_the_short_wait(50, us(20), us(10_050), 24);
+    bursts_keep_the_short_wait(100, us(10), us(20_050), 24);
+    // A burst 4 ms long: 25,000 rows a second within it, 5,000 over the window.
+    bursts_keep_the_short_wait(100, us(40), us(20_050), 24);
 }
 
 /// A sink that answers every write after a fixed time, recording each write as it is issued.
@@ -623,8 +655,8 @@ fn across_a_slow_link_fast_rows_wait_a_millisecond() {
         writes: Arc::default(),
         latency,
     };
-    let rows = 700;
-    let settle = 250;
+    let rows = 750;
+    let settle = 300;
     let committed = commit_rows(sink.clone(), &vec![Duration::from_micros(80); rows]);
     let writes = sink.writes.lock().unwrap().clone();
     let (n, least) = writes_while(&writes, &committed, settle, rows - 1);
@@ -636,9 +668,9 @@ fn across_a_slow_link_fast_rows_wait_a_millisecond() {
         least >= FAST_SPACED,
         "writes beside one under way left {least:?} apart (at least {FAST_SPACED:?})"
     );
-    // Each held write leaves when a timer fires, at the end of a tick, so the next due time (1 ms
-    // on) falls on a tick's end too and fires at the end of the tick after: 2 ms apart, 18
-    // writes. With the half-millisecond wait they left about 1 ms apart (36 writes).
+    // The clock moves 80 µs at a time, so a held write leaves just after a tick, the next due
+    // time (1 ms on) falls just after the next tick, and the timer fires at the end of the tick
+    // after: 18 writes, 2 ms apart. With the half-millisecond wait, 36 about 1 ms apart.
     let span = Duration::from_micros(80) * (rows - 1 - settle) as u32;
     let most = span.as_nanos() * 2 / (3 * FAST_SPACED.as_nanos());
     assert!(

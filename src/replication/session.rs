@@ -86,23 +86,28 @@ const LINGER: Duration = Duration::from_millis(2);
 ///
 /// Measured in docs/benchmarks.md ("The group-commit wait", "Write spacing", "The wait halved").
 pub const GROUP_COMMIT_WAIT: Duration = Duration::from_micros(500);
-/// The wait instead of [`GROUP_COMMIT_WAIT`] while rows come fast: from when the slow mean gap
-/// between rows ([`Session::row_read`]) falls under [`FAST_ROWS_FROM`] until it rises over
-/// [`FAST_ROWS_UNTIL`]. A timer due 1 ms after the write fires 1 to 2 ms after it, so writes
-/// leave at least 1 ms apart and carry more rows (rows 80 µs apart: 12.5 a write, not 6.9, on
-/// the simulation's clock). At those rates no latency target applies, and what each write costs
-/// the relay and Valkey in CPU decides the highest rate the relay keeps up with: on a 2-core
-/// host shared with Postgres a 0.5 ms wait at every rate held less in the ceiling search
-/// (docs/benchmarks.md, "The wait halved", "A wait that lengthens with the rate").
+/// The wait instead of [`GROUP_COMMIT_WAIT`] while rows come fast: from when the mean gap
+/// between the rows read over a [`RATE_WINDOW`] ([`Session::row_read`]) falls under
+/// [`FAST_ROWS_FROM`] until it rises over [`FAST_ROWS_UNTIL`]. A timer due 1 ms after the write
+/// fires 1 to 2 ms after it, so writes leave at least 1 ms apart and carry more rows (rows 80 µs
+/// apart: 12.9 a write, not 6.9, on the simulation's clock). At those rates no latency target
+/// applies, and what each write costs the relay and Valkey in CPU decides the highest rate the
+/// relay keeps up with on a host shared with Postgres (docs/benchmarks.md, "The wait halved", "A
+/// wait that lengthens with the rate": the ceiling moved by less than the ramps' spread).
 pub const FAST_ROWS_WAIT: Duration = Duration::from_millis(1);
-/// Rows come fast from when their slow mean gap falls under this (10,000 rows/s)...
+/// Rows come fast from when their mean gap over a window falls under this (10,000 rows/s)...
 pub const FAST_ROWS_FROM: Duration = Duration::from_micros(100);
 /// ...until it rises over this (about 6,700 rows/s), so a rate between the two keeps the wait it
 /// had. Well under 200 µs: rows steadily 200 µs apart (5,000/s, where the latency target
 /// applies) bring the mean to 200 µs only from below, so an edge at 200 µs kept the long wait at
 /// 5,000/s after fast rows (found by review).
 pub const FAST_ROWS_UNTIL: Duration = Duration::from_micros(150);
-/// The mean gaps between rows read ([`Session::row_read`]) start at this, and no gap counts for
+/// Whether rows come fast is decided from the rows read over at least this long: a count over
+/// time, not a moving mean of gaps, so rows in bursts count at their real rate (a moving mean
+/// with each gap capped fell under 100 µs for bursts of 30 or more rows at any rate, found by
+/// review), and a burst or a stall moves it only by the rows it holds.
+pub const RATE_WINDOW: Duration = Duration::from_millis(20);
+/// The mean gap between rows read ([`Session::row_read`]) starts at this, and no gap counts for
 /// more (an idle minute weighs no more than a few slow rows).
 const ROW_GAP_CAP: Duration = Duration::from_millis(4);
 
@@ -156,9 +161,10 @@ pub struct Session<'a, S: Sink> {
     /// average, each gap capped at [`ROW_GAP_CAP`]): whether write spacing pays.
     last_row_at: Option<Instant>,
     row_gap: Duration,
-    /// The same mean moving slowly (weight 1/32), and whether it says rows come fast (the wait is
-    /// then [`FAST_ROWS_WAIT`]; see [`Session::row_read`]).
-    slow_row_gap: Duration,
+    /// Since when rows are counted for the rate, and how many were read after that instant;
+    /// whether they come fast (the wait is then [`FAST_ROWS_WAIT`]; see [`Session::row_read`]).
+    rate_since: Option<Instant>,
+    rate_rows: u32,
     fast_rows: bool,
 }
 
@@ -186,7 +192,8 @@ impl<'a, S: Sink> Session<'a, S> {
             silence_rechecked: false,
             last_row_at: None,
             row_gap: ROW_GAP_CAP,
-            slow_row_gap: ROW_GAP_CAP,
+            rate_since: None,
+            rate_rows: 0,
             fast_rows: false,
             liveness: cx
                 .settings
@@ -209,9 +216,9 @@ impl<'a, S: Sink> Session<'a, S> {
     /// When the open batch may leave, caught up (see [`GROUP_COMMIT_WAIT`]): the wait
     /// ([`Session::wait`]) after the newest write left, whether or not it is still under way;
     /// while the writer backs off, with its retry (which re-sends only what it holds: rows read
-    /// during the backoff would otherwise wait for the retry's reply, found by review). `None` when it has no timed departure:
-    /// empty, lingering or draining a backlog (batches then fill or linger), no room in the
-    /// writer, or no write yet.
+    /// during the backoff would otherwise wait for the retry's reply, found by review). `None`
+    /// when it has no timed departure: empty, lingering or draining a backlog (batches then fill
+    /// or linger), no room in the writer, or no write yet.
     fn spaced_write_at(&self) -> Option<Instant> {
         if self.open.is_empty() || self.linger_at.is_some() || self.behind() {
             return None;
@@ -253,26 +260,35 @@ impl<'a, S: Sink> Session<'a, S> {
         self.row_gap < GROUP_COMMIT_WAIT
     }
 
-    /// Counts a row read now in the mean gaps between rows: the quick one (weight 1/8), for write
-    /// spacing's rate gate, and the slow one (weight 1/32), for whether rows come fast (under
-    /// [`FAST_ROWS_FROM`], until it rises over [`FAST_ROWS_UNTIL`]). The slow mean keeps the
-    /// wait from following each burst or each chance run of short gaps: with rows at random
-    /// times 5,000 a second, the quick mean falls under 100 µs now and then (found by review),
-    /// and rows committed in millisecond bursts swing it by more than the margin at 7,000 a
-    /// second. After an idle 4 ms the quick mean is at least 500 µs: write spacing is off, and
-    /// the next row leaves at once whatever the wait.
+    /// Counts a row read now in the mean gap between rows (weight 1/8), for write spacing's rate
+    /// gate, and in the rate: once the rows read after `rate_since` span a [`RATE_WINDOW`], rows
+    /// come fast if their mean gap is under [`FAST_ROWS_FROM`], and no longer if it is over
+    /// [`FAST_ROWS_UNTIL`] (between the two, as before); the count starts again. A row after a
+    /// pause closes the window with a long span: rows no longer come fast. After an idle 4 ms the
+    /// quick mean is at least 500 µs: write spacing is off, and that row leaves at once whatever
+    /// the wait.
     fn row_read(&mut self, now: Instant) {
         if let Some(last) = self.last_row_at {
             let gap = now.saturating_duration_since(last).min(ROW_GAP_CAP);
             self.row_gap = (self.row_gap * 7 + gap) / 8;
-            self.slow_row_gap = (self.slow_row_gap * 31 + gap) / 32;
         }
         self.last_row_at = Some(now);
-        if self.slow_row_gap < FAST_ROWS_FROM {
+        let Some(since) = self.rate_since else {
+            self.rate_since = Some(now);
+            return;
+        };
+        self.rate_rows += 1;
+        let span = now.saturating_duration_since(since);
+        if span < RATE_WINDOW {
+            return;
+        }
+        if span < FAST_ROWS_FROM * self.rate_rows {
             self.fast_rows = true;
-        } else if self.slow_row_gap > FAST_ROWS_UNTIL {
+        } else if span > FAST_ROWS_UNTIL * self.rate_rows {
             self.fast_rows = false;
         }
+        self.rate_since = Some(now);
+        self.rate_rows = 0;
     }
 
     fn open_full(&self) -> bool {
