@@ -452,9 +452,9 @@ fn rows_just_faster_than_the_rate_gate_are_spaced() {
 /// Rows 80 µs apart (12,500 a second): rows come fast, and writes leave at least
 /// `FAST_ROWS_WAIT` (1 ms) apart, 12.9 rows each. With the half-millisecond wait at every rate
 /// they left 0.55 ms apart on average, 6.9 rows each (measured with the long wait off): on a
-/// 2-core host shared with Postgres that wait held less in the ceiling search
-/// (docs/benchmarks.md, "A wait that lengthens with the rate"). The relay counts rows over 20 ms (`RATE_WINDOW`) before it says
-/// they come fast: 250 rows here.
+/// 2-core host shared with Postgres that wait costs CPU per event at high rates
+/// (docs/benchmarks.md, "A wait that lengthens with the rate"). The relay counts rows over 20 ms
+/// (`RATE_WINDOW`) before it says they come fast: 250 rows here.
 #[test]
 fn fast_rows_wait_a_millisecond() {
     spaced_steadily(Duration::from_micros(80), FAST_SPACED, 300, 750);
@@ -484,7 +484,7 @@ fn writes_while(
 
 /// The wait changes with the rate of rows, with a margin between the two edges: rows 125 µs
 /// apart (8,000 a second, between `FAST_ROWS_FROM` and `FAST_ROWS_UNTIL`) keep the 1 ms wait
-/// after rows that came fast, and keep the half-millisecond wait after rows that came slowly;
+/// after rows that came fast, and keep the half-millisecond wait when they come so from the start;
 /// rows 200 µs apart (5,000 a second, where the latency target applies) go back to the
 /// half-millisecond wait. Rows a gap `g` apart with a wait `w` leave about every `w` rounded up
 /// to a whole `g`: 0.625 ms apart at 125 µs with the short wait, 1 ms with the long one; 0.6 and
