@@ -13,8 +13,7 @@
 //!   `GROUP_COMMIT_WAIT`, leave at most one write per wait (write spacing): a write that came
 //!   back at once no longer lets the next row leave alone, and the rows it holds leave on
 //!   average 1 ms after it (the half-millisecond wait rounded up to tokio's tick). Slower rows
-//!   wait for nothing. While rows come fast (more than about 10,000 a second) the wait is 1 ms,
-//!   with a margin between the rates where it lengthens and where it shortens again.
+//!   wait for nothing.
 //!   Each write costs the relay and Valkey far more CPU than each task in it (issue 16: the
 //!   relay held less than logical decoding alone under single-row load).
 //!
@@ -31,9 +30,7 @@ mod sim;
 use outbox_relay::config::OnSlotLost;
 use outbox_relay::metrics::Metrics;
 use outbox_relay::pgoutput::TableName;
-use outbox_relay::replication::session::{
-    FAST_ROWS_FROM, FAST_ROWS_UNTIL, FAST_ROWS_WAIT, GROUP_COMMIT_WAIT,
-};
+use outbox_relay::replication::session::GROUP_COMMIT_WAIT;
 use outbox_relay::replication::stream::{Stream, StreamSettings};
 use outbox_relay::sink::{Batch, Sink, SinkError, WriteOutcome};
 use outbox_relay::task::{PayloadFormat, TaskSettings};
@@ -377,45 +374,40 @@ fn a_full_writer_is_not_handed_another_batch() {
 /// out so that a change of the constant shows here (found by review: a bound derived from the
 /// constant loosened with it).
 const SPACED: Duration = Duration::from_micros(500);
-/// The same while rows come fast: `FAST_ROWS_WAIT`, written out.
-const FAST_SPACED: Duration = Duration::from_millis(1);
 
-/// The first rows of a steady run that the mean gap between rows needs to settle: it starts at
-/// 4 ms and moves an eighth of the way at each row (27 rows to fall under the rate gate at
-/// 400 µs).
-const SETTLE: usize = 40;
-
-/// `rows` rows committed `gap` apart (more than one per `GROUP_COMMIT_WAIT`) on a link that
-/// answers at once: once the relay has seen that rows come that fast (the first `settle` rows),
-/// writes leave at least `spaced` apart, carrying what was read meanwhile, and no row waits more
-/// than that and a tick for its write.
-fn spaced_steadily(gap: Duration, spaced: Duration, settle: usize, rows: usize) {
+/// Rows committed `gap` apart (more than one per `GROUP_COMMIT_WAIT`) on a link that answers at
+/// once: once the relay has seen that rows come that fast (the first `SETTLE` rows: the mean
+/// gap it keeps starts at 4 ms and moves an eighth of the way at each row), writes leave at least
+/// `SPACED` apart, carrying what was read meanwhile, and no row waits more than that and a tick
+/// for its write.
+fn spaced_steadily(gap: Duration) {
+    const SETTLE: usize = 40;
     assert_eq!(
-        (GROUP_COMMIT_WAIT, FAST_ROWS_WAIT),
-        (SPACED, FAST_SPACED),
+        GROUP_COMMIT_WAIT, SPACED,
         "the wait changed: measure it again"
     );
+    let rows = 500;
     let (writes, committed) = rows_apart(rows, gap);
-    let settled_at = committed[&row_id(settle)];
+    let settled_at = committed[&row_id(SETTLE)];
     let settled: Vec<&Write> = writes.iter().filter(|(at, _)| *at >= settled_at).collect();
-    let span = gap * (rows - settle) as u32;
-    let most = span.as_nanos() / spaced.as_nanos();
+    let span = gap * (rows - SETTLE) as u32;
+    let spaced = span.as_nanos() / SPACED.as_nanos();
     eprintln!(
         "rows {gap:?} apart, instant writes: {} writes for {rows} rows, {} of them for the last {} rows in {span:?}",
         writes.len(),
         settled.len(),
-        rows - settle
+        rows - SETTLE
     );
     assert!(
-        settled.len() as u128 <= most + 2,
-        "{} writes for {} rows in {span:?}: more than one per {spaced:?}",
+        settled.len() as u128 <= spaced + 2,
+        "{} writes for {} rows in {span:?}: more than one per {SPACED:?}",
         settled.len(),
-        rows - settle
+        rows - SETTLE
     );
     for pair in settled.windows(2) {
         assert!(
-            pair[1].0 - pair[0].0 >= spaced,
-            "two writes left {:?} apart (at least {spaced:?})",
+            pair[1].0 - pair[0].0 >= SPACED,
+            "two writes left {:?} apart (at least {SPACED:?})",
             pair[1].0 - pair[0].0
         );
     }
@@ -424,7 +416,7 @@ fn spaced_steadily(gap: Duration, spaced: Duration, settle: usize, rows: usize) 
         .flat_map(|(at, ids)| ids.iter().map(|id| *at - committed[id]))
         .max()
         .unwrap();
-    let bound = spaced + TIMER_TICK;
+    let bound = SPACED + TIMER_TICK;
     assert!(
         worst <= bound,
         "a row waited {worst:?} for its write on a link that takes no time (bound {bound:?})"
@@ -439,254 +431,14 @@ fn spaced_steadily(gap: Duration, spaced: Duration, settle: usize, rows: usize) 
 /// latency at 5,000 events/s (docs/benchmarks.md, "The wait halved").
 #[test]
 fn writes_that_come_back_at_once_still_leave_spaced() {
-    spaced_steadily(Duration::from_micros(200), SPACED, SETTLE, 500);
+    spaced_steadily(Duration::from_micros(200));
 }
 
 /// Rows 400 µs apart (2,500 a second), just faster than the rate gate (2,000 a second): spaced
 /// too. A gate moved up to 4,000 a second would send each row on its own (460 writes).
 #[test]
 fn rows_just_faster_than_the_rate_gate_are_spaced() {
-    spaced_steadily(Duration::from_micros(400), SPACED, SETTLE, 500);
-}
-
-/// Rows 80 µs apart (12,500 a second): rows come fast, and writes leave at least
-/// `FAST_ROWS_WAIT` (1 ms) apart, 12.9 rows each. With the half-millisecond wait at every rate
-/// they left 0.55 ms apart on average, 6.9 rows each (measured with the long wait off): on a
-/// 2-core host shared with Postgres that wait costs CPU per event at high rates
-/// (docs/benchmarks.md, "A wait that lengthens with the rate"). The relay counts rows over 20 ms
-/// (`RATE_WINDOW`) before it says they come fast: 250 rows here.
-#[test]
-fn fast_rows_wait_a_millisecond() {
-    spaced_steadily(Duration::from_micros(80), FAST_SPACED, 300, 750);
-}
-
-/// How many writes were issued from the commit of row `from` to that of row `to`, and the
-/// least time between two of them.
-fn writes_while(
-    writes: &[Write],
-    committed: &BTreeMap<String, Instant>,
-    from: usize,
-    to: usize,
-) -> (usize, Duration) {
-    let (start, end) = (committed[&row_id(from)], committed[&row_id(to)]);
-    let within: Vec<Instant> = writes
-        .iter()
-        .map(|(at, _)| *at)
-        .filter(|at| *at >= start && *at < end)
-        .collect();
-    let least = within
-        .windows(2)
-        .map(|pair| pair[1] - pair[0])
-        .min()
-        .unwrap_or(Duration::MAX);
-    (within.len(), least)
-}
-
-/// The wait changes with the rate of rows, with a margin between the two edges: rows 125 µs
-/// apart (8,000 a second, between `FAST_ROWS_FROM` and `FAST_ROWS_UNTIL`) keep the 1 ms wait
-/// after rows that came fast, and keep the half-millisecond wait when they come so from the start;
-/// rows 200 µs apart (5,000 a second, where the latency target applies) go back to the
-/// half-millisecond wait. Rows a gap `g` apart with a wait `w` leave about every `w` rounded up
-/// to a whole `g`: 0.625 ms apart at 125 µs with the short wait, 1 ms with the long one; 0.6 and
-/// 1.2 ms at 200 µs. Found by review: with the edge back to the short wait at 200 µs, rows
-/// steadily 200 µs apart brought the mean to 200 µs only from below and kept the long wait.
-#[test]
-fn the_wait_follows_the_rate_with_a_margin() {
-    let between = Duration::from_micros(125);
-    let latency_target = Duration::from_micros(200);
-    assert!(
-        FAST_ROWS_FROM < between && between < FAST_ROWS_UNTIL && FAST_ROWS_UNTIL < latency_target,
-        "the rates must lie between and beyond the edges"
-    );
-    // Each phase 60 to 100 ms: at least two windows of 20 ms (`RATE_WINDOW`) to settle in, 40 ms.
-    let (fast, mid, slow) = (1_200, 480, 500);
-    let settle = |gap: Duration| (Duration::from_millis(40).as_nanos() / gap.as_nanos()) as usize;
-    let mut gaps = vec![Duration::from_micros(50); fast];
-    gaps.extend(vec![between; mid]);
-    gaps.extend(vec![latency_target; slow]);
-    let sink = InstantSink::default();
-    let committed = commit_rows(sink.clone(), &gaps);
-    let writes = sink.writes.lock().unwrap().clone();
-
-    let (n, least) = writes_while(&writes, &committed, fast, fast + mid);
-    eprintln!("125 µs after fast rows: {n} writes, at least {least:?} apart");
-    assert!(
-        least >= FAST_SPACED,
-        "after fast rows, rows 125 µs apart went back to the short wait (writes {least:?} apart)"
-    );
-    let from = fast + mid + settle(latency_target);
-    let (n, least) = writes_while(&writes, &committed, from, fast + mid + slow - 1);
-    let span = latency_target * (fast + mid + slow - 1 - from) as u32;
-    eprintln!("200 µs after that: {n} writes in {span:?}, at least {least:?} apart");
-    assert!(
-        least >= SPACED && least < FAST_SPACED,
-        "rows 200 µs apart kept the long wait (writes at least {least:?} apart)"
-    );
-    // 0.6 ms apart with the short wait, 1.2 ms with the long one.
-    assert!(
-        n as u128 * FAST_SPACED.as_nanos() >= span.as_nanos() * 3 / 2,
-        "{n} writes in {span:?}: rows 200 µs apart kept the long wait"
-    );
-
-    let sink = InstantSink::default();
-    let committed = commit_rows(sink.clone(), &vec![between; mid]);
-    let writes = sink.writes.lock().unwrap().clone();
-    let (n, least) = writes_while(&writes, &committed, SETTLE, mid - 1);
-    let span = between * (mid - SETTLE - 1) as u32;
-    eprintln!("125 µs from the start: {n} writes in {span:?}, at least {least:?} apart");
-    assert!(
-        least < FAST_SPACED,
-        "rows 125 µs apart took the long wait without coming fast first"
-    );
-    // 0.625 ms apart with the short wait, 1 ms with the long one.
-    assert!(
-        n as u128 * FAST_SPACED.as_nanos() >= span.as_nanos() * 3 / 2,
-        "{n} writes in {span:?}: rows 125 µs apart took the long wait"
-    );
-}
-
-/// Commits bursts of `rows` rows `within` apart, a burst every `every`, `bursts` times, on a
-/// link that answers at once; fails unless the rows write spacing holds after the first quarter
-/// leave on the half-millisecond wait: at most a tick and a half after the write before (and
-/// `within`, the clock's step).
-fn bursts_keep_the_short_wait(rows: usize, within: Duration, every: Duration, bursts: usize) {
-    let mut gaps = Vec::new();
-    for _ in 0..bursts {
-        gaps.extend(vec![within; rows - 1]);
-        gaps.push(every - within * (rows - 1) as u32);
-    }
-    let sink = InstantSink::default();
-    let committed = commit_rows(sink.clone(), &gaps);
-    let writes = sink.writes.lock().unwrap().clone();
-    let settled_at = committed[&row_id(bursts / 4 * rows)];
-    let held: Vec<Duration> = writes
-        .windows(2)
-        .filter(|pair| pair[0].0 >= settled_at)
-        .filter(|pair| pair[1].1.iter().any(|id| committed[id] < pair[1].0))
-        .map(|pair| pair[1].0 - pair[0].0)
-        .collect();
-    eprintln!(
-        "bursts of {rows} every {every:?}: {} writes for {} rows; {} held, at most {:?} after the \
-         write before",
-        writes.len(),
-        gaps.len(),
-        held.len(),
-        held.iter().max()
-    );
-    assert!(
-        held.len() >= bursts / 2,
-        "only {} writes carried rows that write spacing held",
-        held.len()
-    );
-    // The clock moves `within` at a time inside a burst, so a timer fires up to that late.
-    let bound = SPACED + TIMER_TICK + within;
-    for after in &held {
-        assert!(
-            *after <= bound,
-            "a held write left {after:?} after the write before (bound {bound:?}): the long wait \
-             at 5,000 rows/s"
-        );
-    }
-}
-
-/// Bursts of twenty rows 10 µs apart, one every 4.05 ms (about 4,900 rows a second, where the
-/// latency target applies; the bursts start at every twentieth of the timer's tick in turn).
-/// Within a burst the gaps are so short that the quick mean (weight 1/8) falls to about 50 µs,
-/// under `FAST_ROWS_FROM`; over 20 ms the rows come 200 µs apart. So the rows write spacing
-/// holds leave on the half-millisecond wait. With the quick mean deciding, they waited for the
-/// 1 ms wait (up to 1.99 ms after the write before).
-#[test]
-fn bursts_at_the_latency_target_keep_the_short_wait() {
-    bursts_keep_the_short_wait(
-        20,
-        Duration::from_micros(10),
-        Duration::from_micros(4_050),
-        40,
-    );
-}
-
-/// Larger bursts at the same rate: 50 rows 20 µs apart every 10.05 ms, and 100 rows 10 or 40 µs
-/// apart every 20.05 ms (found by review: a moving mean of gaps, each capped at 4 ms, fell under
-/// 100 µs for bursts of 30 rows or more, at any rate). Counted over 20 ms they come 200 µs apart;
-/// counted over 2 ms, the 4 ms bursts came fast.
-#[test]
-fn large_bursts_at_the_latency_target_keep_the_short_wait() {
-    let us = Duration::from_micros;
-    bursts_keep_the_short_wait(50, us(20), us(10_050), 24);
-    bursts_keep_the_short_wait(100, us(10), us(20_050), 24);
-    // A burst 4 ms long: 25,000 rows a second within it, 5,000 over the window.
-    bursts_keep_the_short_wait(100, us(40), us(20_050), 24);
-}
-
-/// A sink that answers every write after a fixed time, recording each write as it is issued.
-#[derive(Clone)]
-struct Delayed {
-    writes: Arc<Mutex<Vec<Write>>>,
-    latency: Duration,
-}
-
-impl Sink for Delayed {
-    fn write(
-        &self,
-        batch: Arc<Batch>,
-    ) -> impl std::future::Future<Output = Result<WriteOutcome, SinkError>> + Send + 'static {
-        let ids = batch.tasks.iter().map(|t| t.id.clone()).collect();
-        self.writes.lock().unwrap().push((Instant::now(), ids));
-        let (n, latency) = (batch.len(), self.latency);
-        async move {
-            tokio::time::sleep(latency).await;
-            Ok(WriteOutcome {
-                enqueued: n,
-                ..WriteOutcome::default()
-            })
-        }
-    }
-}
-
-/// Across a slow link (a write takes 3 ms) with rows coming fast (80 µs apart), rows read while
-/// writes are under way leave beside them on the 1 ms wait too, not the half-millisecond one:
-/// writes leave at least 1 ms apart, and no row waits more than the wait and a tick for its
-/// write to leave. With the long wait only for an idle writer, they left about 1 ms apart (0.96
-/// ms at least), twice as many writes.
-#[test]
-fn across_a_slow_link_fast_rows_wait_a_millisecond() {
-    let latency = Duration::from_millis(3);
-    let sink = Delayed {
-        writes: Arc::default(),
-        latency,
-    };
-    let rows = 750;
-    let settle = 300;
-    let committed = commit_rows(sink.clone(), &vec![Duration::from_micros(80); rows]);
-    let writes = sink.writes.lock().unwrap().clone();
-    let (n, least) = writes_while(&writes, &committed, settle, rows - 1);
-    eprintln!(
-        "slow link, fast rows: {n} writes for the last {} rows, at least {least:?} apart",
-        rows - settle
-    );
-    assert!(
-        least >= FAST_SPACED,
-        "writes beside one under way left {least:?} apart (at least {FAST_SPACED:?})"
-    );
-    // The clock moves 80 µs at a time, so a held write leaves just after a tick, the next due
-    // time (1 ms on) falls just after the next tick, and the timer fires at the end of the tick
-    // after: 18 writes, 2 ms apart. With the half-millisecond wait, 36 about 1 ms apart.
-    let span = Duration::from_micros(80) * (rows - 1 - settle) as u32;
-    let most = span.as_nanos() * 2 / (3 * FAST_SPACED.as_nanos());
-    assert!(
-        n as u128 <= most,
-        "{n} writes in {span:?}: more than one per 1.5 ms on the 1 ms wait"
-    );
-    let worst = writes
-        .iter()
-        .flat_map(|(at, ids)| ids.iter().map(|id| *at - committed[id]))
-        .max()
-        .unwrap();
-    let bound = FAST_SPACED + TIMER_TICK;
-    assert!(
-        worst <= bound,
-        "a row waited {worst:?} for its write to leave (bound {bound:?})"
-    );
+    spaced_steadily(Duration::from_micros(400));
 }
 
 /// Bursts of ten rows 50 µs apart, one every 3.65 ms (about 2,700 rows a second), so the

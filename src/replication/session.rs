@@ -8,14 +8,13 @@
 //! 4. the next replication event, while the open batch has room;
 //! 5. nothing to read right now: the open batch goes out unless a write is under way (rows
 //!    then gather while it travels: group commit) or, while rows arrive faster than one per
-//!    [`GROUP_COMMIT_WAIT`], the newest write left less than the wait ago (write spacing), or
-//!    it lingers while draining a backlog;
+//!    [`GROUP_COMMIT_WAIT`], the newest write left less than that ago (write spacing), or it
+//!    lingers while draining a backlog;
 //! 6. the linger timer;
-//! 7. caught up, when the timer due the wait after the newest write left fires (the wait is
-//!    [`GROUP_COMMIT_WAIT`], 0.5 ms, so 0.5 to 1.5 ms after it; [`FAST_ROWS_WAIT`], 1 to 2 ms,
-//!    while rows come fast; while the writer backs off, at its retry): the open batch goes out,
-//!    beside that write if it is still under way, so over a slow link a row waits a millisecond
-//!    or two, not a round trip;
+//! 7. caught up, when the timer due [`GROUP_COMMIT_WAIT`] after the newest write left fires (0.5
+//!    to 1.5 ms after it; while the writer backs off, at its retry): the open batch goes out,
+//!    beside that write if it is still under way, so over a slow link a row waits about a
+//!    millisecond, not a round trip;
 //! 8. the receive deadline.
 //!
 //! Rows are streamed into batches as they arrive, so a huge transaction never sits in memory;
@@ -63,10 +62,10 @@ const BEHIND_MICROS: i64 = 50_000;
 /// linger (see [`GROUP_COMMIT_WAIT`] for what it waits for then).
 const LINGER: Duration = Duration::from_millis(2);
 /// Caught up, with room in the writer, how long a row may be held after the newest write left (a
-/// retry counts as a write, and rows read while the writer backs off leave with it), unless rows
-/// come fast ([`FAST_ROWS_WAIT`] then). A held row leaves when a timer due this long after that
-/// write fires, which tokio does at the end of the millisecond tick the due time falls in: 0.5 to
-/// 1.5 ms after the write, 1 ms on average. A row is held:
+/// retry counts as a write, and rows read while the writer backs off leave with it). A held row
+/// leaves when a timer due this long after that write fires, which tokio does at the end of the
+/// millisecond tick the due time falls in: 0.5 to 1.5 ms after the write, 1 ms on average. A row
+/// is held:
 /// - while a write is under way (group commit: one write carries them all), until the timer
 ///   fires; then the held rows leave beside it, while the writer has room. Across a link of round
 ///   trip R a row waited up to R for the write ahead of it before its own write could leave;
@@ -86,29 +85,8 @@ const LINGER: Duration = Duration::from_millis(2);
 ///
 /// Measured in docs/benchmarks.md ("The group-commit wait", "Write spacing", "The wait halved").
 pub const GROUP_COMMIT_WAIT: Duration = Duration::from_micros(500);
-/// The wait instead of [`GROUP_COMMIT_WAIT`] while rows come fast: from when the mean gap
-/// between the rows read over a [`RATE_WINDOW`] ([`Session::row_read`]) falls under
-/// [`FAST_ROWS_FROM`] until it rises over [`FAST_ROWS_UNTIL`]. A timer due 1 ms after the write
-/// fires 1 to 2 ms after it, so writes leave at least 1 ms apart and carry more rows (rows 80 µs
-/// apart: 12.9 a write, not 6.9, on the simulation's clock). At those rates no latency target
-/// applies, and what each write costs the relay and Valkey in CPU decides the highest rate the
-/// relay keeps up with on a host shared with Postgres (docs/benchmarks.md, "The wait halved", "A
-/// wait that lengthens with the rate": the ceiling moved by less than the ramps' spread).
-pub const FAST_ROWS_WAIT: Duration = Duration::from_millis(1);
-/// Rows come fast from when their mean gap over a window falls under this (10,000 rows/s)...
-pub const FAST_ROWS_FROM: Duration = Duration::from_micros(100);
-/// ...until it rises over this (about 6,700 rows/s), so a rate between the two keeps the wait it
-/// had. Well under 200 µs: rows steadily 200 µs apart (5,000/s, where the latency target
-/// applies) bring the mean to 200 µs only from below, so an edge at 200 µs kept the long wait at
-/// 5,000/s after fast rows (found by review).
-pub const FAST_ROWS_UNTIL: Duration = Duration::from_micros(150);
-/// Whether rows come fast is decided from the rows read over at least this long: a count over
-/// time, not a moving mean of gaps, so rows in bursts count at their real rate (a moving mean
-/// with each gap capped fell under 100 µs for bursts of 30 or more rows at any rate, found by
-/// review), and a burst or a stall moves it only by the rows it holds.
-pub const RATE_WINDOW: Duration = Duration::from_millis(20);
-/// The mean gap between rows read ([`Session::row_read`]) starts at this, and no gap counts for
-/// more (an idle minute weighs no more than a few slow rows).
+/// The mean gap between rows read, as [`Session::spacing`] keeps it, starts at and never
+/// exceeds this (an idle minute weighs no more than a few slow rows).
 const ROW_GAP_CAP: Duration = Duration::from_millis(4);
 
 /// After shutdown, how long the final acknowledgement may take to reach the server, and the
@@ -161,11 +139,6 @@ pub struct Session<'a, S: Sink> {
     /// average, each gap capped at [`ROW_GAP_CAP`]): whether write spacing pays.
     last_row_at: Option<Instant>,
     row_gap: Duration,
-    /// Since when rows are counted for the rate, and how many were read after that instant;
-    /// whether they come fast (the wait is then [`FAST_ROWS_WAIT`]; see [`Session::row_read`]).
-    rate_since: Option<Instant>,
-    rate_rows: u32,
-    fast_rows: bool,
 }
 
 impl<'a, S: Sink> Session<'a, S> {
@@ -192,9 +165,6 @@ impl<'a, S: Sink> Session<'a, S> {
             silence_rechecked: false,
             last_row_at: None,
             row_gap: ROW_GAP_CAP,
-            rate_since: None,
-            rate_rows: 0,
-            fast_rows: false,
             liveness: cx
                 .settings
                 .link_timeout
@@ -213,12 +183,12 @@ impl<'a, S: Sink> Session<'a, S> {
         self.sent_micros - self.txn_commit_micros > BEHIND_MICROS
     }
 
-    /// When the open batch may leave, caught up (see [`GROUP_COMMIT_WAIT`]): the wait
-    /// ([`Session::wait`]) after the newest write left, whether or not it is still under way;
-    /// while the writer backs off, with its retry (which re-sends only what it holds: rows read
-    /// during the backoff would otherwise wait for the retry's reply, found by review). `None`
-    /// when it has no timed departure: empty, lingering or draining a backlog (batches then fill
-    /// or linger), no room in the writer, or no write yet.
+    /// When the open batch may leave, caught up (see [`GROUP_COMMIT_WAIT`]): that long after the
+    /// newest write left, whether or not it is still under way; while the writer backs off, with
+    /// its retry (which re-sends only what it holds: rows read during the backoff would otherwise
+    /// wait for the retry's reply, found by review). `None` when it has no timed departure:
+    /// empty, lingering or draining a backlog (batches then fill or linger), no room in the
+    /// writer, or no write yet.
     fn spaced_write_at(&self) -> Option<Instant> {
         if self.open.is_empty() || self.linger_at.is_some() || self.behind() {
             return None;
@@ -229,23 +199,15 @@ impl<'a, S: Sink> Session<'a, S> {
         if let Some(retry_at) = self.writer.retry_at() {
             return Some(retry_at);
         }
-        self.writer.last_write_started().map(|at| at + self.wait())
-    }
-
-    /// How long after the newest write a held row leaves: [`GROUP_COMMIT_WAIT`], or
-    /// [`FAST_ROWS_WAIT`] while rows come fast.
-    fn wait(&self) -> Duration {
-        if self.fast_rows {
-            FAST_ROWS_WAIT
-        } else {
-            GROUP_COMMIT_WAIT
-        }
+        self.writer
+            .last_write_started()
+            .map(|at| at + GROUP_COMMIT_WAIT)
     }
 
     /// Step 5 may act: the open batch, with nothing to read and no write under way, lingers
     /// (behind) or leaves (caught up: at once, or with write spacing once the newest write is
-    /// the wait old; before that, step 7's timer sends it). Without a timed departure
-    /// (`spaced_at` is `None`) it leaves at once: nothing else would send it.
+    /// [`GROUP_COMMIT_WAIT`] old; before that, step 7's timer sends it). Without a timed
+    /// departure (`spaced_at` is `None`) it leaves at once: nothing else would send it.
     fn leave_when_idle(&self, spaced_at: Option<Instant>, now: Instant) -> bool {
         if self.open.is_empty() || self.writer.busy() || self.linger_at.is_some() {
             return false;
@@ -260,35 +222,13 @@ impl<'a, S: Sink> Session<'a, S> {
         self.row_gap < GROUP_COMMIT_WAIT
     }
 
-    /// Counts a row read now in the mean gap between rows (weight 1/8), for write spacing's rate
-    /// gate, and in the rate: once the rows read after `rate_since` span a [`RATE_WINDOW`], rows
-    /// come fast if their mean gap is under [`FAST_ROWS_FROM`], and no longer if it is over
-    /// [`FAST_ROWS_UNTIL`] (between the two, as before); the count starts again. A row after a
-    /// pause closes the window with a long span: rows no longer come fast. After an idle 4 ms the
-    /// quick mean is at least 500 µs: write spacing is off, and that row leaves at once whatever
-    /// the wait.
+    /// Counts a row read now in the mean gap between rows (weight 1/8).
     fn row_read(&mut self, now: Instant) {
         if let Some(last) = self.last_row_at {
             let gap = now.saturating_duration_since(last).min(ROW_GAP_CAP);
             self.row_gap = (self.row_gap * 7 + gap) / 8;
         }
         self.last_row_at = Some(now);
-        let Some(since) = self.rate_since else {
-            self.rate_since = Some(now);
-            return;
-        };
-        self.rate_rows += 1;
-        let span = now.saturating_duration_since(since);
-        if span < RATE_WINDOW {
-            return;
-        }
-        if span < FAST_ROWS_FROM * self.rate_rows {
-            self.fast_rows = true;
-        } else if span > FAST_ROWS_UNTIL * self.rate_rows {
-            self.fast_rows = false;
-        }
-        self.rate_since = Some(now);
-        self.rate_rows = 0;
     }
 
     fn open_full(&self) -> bool {
