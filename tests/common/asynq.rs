@@ -72,6 +72,25 @@ pub async fn wait_pending(redis: &Redis, queue: &str, n: usize) -> Vec<String> {
     .await
 }
 
+/// Waits until every one of `ids` is pending in `queue` (whatever else is there), and returns
+/// the queue's pending ids. A count alone cannot say that: other rows (a test's own inserts, a
+/// load's) may fill it first.
+pub async fn wait_pending_ids(redis: &Redis, queue: &str, ids: &[String]) -> Vec<String> {
+    let conn = redis.conn().await;
+    eventually(
+        &format!("{} given ids pending in {queue}", ids.len()),
+        || {
+            let mut conn = conn.clone();
+            async move {
+                let pending = pending_ids(&mut conn, queue).await;
+                let have: std::collections::HashSet<&String> = pending.iter().collect();
+                ids.iter().all(|id| have.contains(id)).then_some(pending)
+            }
+        },
+    )
+    .await
+}
+
 /// The queues asynq knows (`asynq:queues`), sorted.
 pub async fn queues(conn: &mut (impl redis::aio::ConnectionLike + Send)) -> Vec<String> {
     let mut queues: Vec<String> = redis::cmd("SMEMBERS")
