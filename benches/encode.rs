@@ -5,24 +5,14 @@
 //! `cargo bench --bench encode` (add `-- --quick` for a short run).
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use outbox_relay::task::{encode_task, PayloadFormat, RowText, TaskFields, TaskSettings};
-use std::sync::Arc;
+use outbox_relay::task::{encode_task, RowText, TaskFields, TaskSettings};
 
 const PAYLOAD: &str = r#"{"items": [{"qty": 2, "sku": "SKU-42", "price_cents": 1999}, {"qty": 1, "sku": "SKU-42", "price_cents": 4550}], "currency": "EUR", "order_id": "ord_0000000042", "customer_id": "cus_3f1a9c07be52", "total_cents": 33598}"#;
 const METADATA: &str = r#"{"producer": "checkout", "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}"#;
 
 /// The relay's defaults (`outbox-relay run` without task settings).
 fn settings() -> TaskSettings {
-    TaskSettings {
-        type_prefix: "event:".into(),
-        payload_format: PayloadFormat::Envelope,
-        default_queue: Arc::from("default"),
-        routes: Vec::new(),
-        max_retry: 25,
-        timeout_secs: 1800,
-        retention_secs: 86_400,
-        max_payload_bytes: 1 << 20,
-    }
+    TaskSettings::default()
 }
 
 fn row() -> RowText<'static> {

@@ -3,9 +3,8 @@
 //! mutated inputs on the stable toolchain in every test run.
 
 use outbox_relay::pgoutput::{decode, Decoded, OutboxColumn, RelationCache, TableName};
-use outbox_relay::task::{PayloadFormat, RowText, TaskMessage, TaskSettings};
+use outbox_relay::task::{RowText, TaskMessage, TaskSettings};
 use prost::Message;
-use std::sync::Arc;
 
 /// The outbox table's columns, in the Go kit's migration order.
 pub const COLUMNS: [&str; 7] = [
@@ -67,16 +66,7 @@ pub fn task_target(data: &[u8]) -> bool {
     ) else {
         return false;
     };
-    let settings = TaskSettings {
-        type_prefix: "event:".into(),
-        payload_format: PayloadFormat::Envelope,
-        default_queue: Arc::from("default"),
-        routes: Vec::new(),
-        max_retry: 25,
-        timeout_secs: 1800,
-        retention_secs: 86_400,
-        max_payload_bytes: 1 << 20,
-    };
+    let settings = TaskSettings::default();
     let row = RowText {
         id: None,
         event_id,

@@ -33,7 +33,7 @@ use outbox_relay::pgoutput::TableName;
 use outbox_relay::replication::session::GROUP_COMMIT_WAIT;
 use outbox_relay::replication::stream::{Stream, StreamSettings};
 use outbox_relay::sink::{Batch, Sink, SinkError, WriteOutcome};
-use outbox_relay::task::{PayloadFormat, TaskSettings};
+use outbox_relay::task::TaskSettings;
 use sim::check::Checker;
 use sim::db::{SimDb, SimPort};
 use sim::valkey::{SimValkey, Writer};
@@ -129,16 +129,7 @@ fn settings() -> StreamSettings {
 }
 
 fn tasks() -> Arc<TaskSettings> {
-    Arc::new(TaskSettings {
-        type_prefix: "event:".into(),
-        payload_format: PayloadFormat::Envelope,
-        default_queue: Arc::from("default"),
-        routes: Vec::new(),
-        max_retry: 25,
-        timeout_secs: 1800,
-        retention_secs: 86_400,
-        max_payload_bytes: 1 << 20,
-    })
+    Arc::new(TaskSettings::default())
 }
 
 /// A sink whose every write is confirmed the moment it is issued, whatever the time, with each

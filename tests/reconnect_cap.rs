@@ -11,7 +11,7 @@ use outbox_relay::pgoutput::TableName;
 use outbox_relay::replication::source::{ReplicationSource, SlotHolder, SlotPort, SlotState};
 use outbox_relay::replication::stream::{Stream, StreamError, StreamSettings};
 use outbox_relay::sink::{Batch, Sink, SinkError, WriteOutcome};
-use outbox_relay::task::{PayloadFormat, TaskSettings};
+use outbox_relay::task::TaskSettings;
 use pgwire_replication::{Lsn, PgWireError, ReplicationEvent};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -106,16 +106,7 @@ async fn reconnect_delays_double_up_to_the_30_second_cap_and_stay_there() {
             link_timeout: None,
             publication_check: None,
         },
-        tasks: Arc::new(TaskSettings {
-            type_prefix: "event:".into(),
-            payload_format: PayloadFormat::Envelope,
-            default_queue: Arc::from("default"),
-            routes: Vec::new(),
-            max_retry: 25,
-            timeout_secs: 1800,
-            retention_secs: 86_400,
-            max_payload_bytes: 1 << 20,
-        }),
+        tasks: Arc::new(TaskSettings::default()),
         sink: NoSink,
         metrics: metrics.clone(),
         marker: None,

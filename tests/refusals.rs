@@ -16,23 +16,17 @@ use outbox_relay::poller::{Poller, PollerSettings};
 use outbox_relay::sink::valkey::ValkeySink;
 use outbox_relay::sink::{Batch, Sink, SinkError};
 use outbox_relay::store::{ClaimedRow, OutboxTable, OutboxTx, StoreError};
-use outbox_relay::task::{PayloadFormat, QueueRoute, TaskSettings};
+use outbox_relay::task::{QueueRoute, TaskSettings};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 fn task_settings() -> TaskSettings {
     TaskSettings {
-        type_prefix: "event:".into(),
-        payload_format: PayloadFormat::Envelope,
-        default_queue: Arc::from("default"),
         routes: ["a.*=qa", "b.*=qb"]
             .iter()
             .map(|r| QueueRoute::parse(r).unwrap())
             .collect(),
-        max_retry: 25,
-        timeout_secs: 1800,
-        retention_secs: 86_400,
-        max_payload_bytes: 1 << 20,
+        ..TaskSettings::default()
     }
 }
 

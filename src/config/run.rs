@@ -183,3 +183,43 @@ impl RunArgs {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{Cli, Command};
+    use crate::task::TaskSettings;
+    use clap::Parser;
+
+    fn parse(args: &[&str]) -> Command {
+        let mut argv = vec!["outbox-relay"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).unwrap().command
+    }
+
+    /// `run` given no task setting, and the operator commands that build the relay's tasks
+    /// (`trace`, `replay`, `reconcile`, with their own copy of the flags), give
+    /// `TaskSettings::default()`: what the benchmarks, the fuzzer and the tests take as the
+    /// relay's defaults is what the relay runs with. (A run of the tests with `OUTBOX_QUEUE`
+    /// or another task variable in its environment fails here, as it should.)
+    #[test]
+    fn the_task_flags_default_to_task_settings_default() {
+        let db = "--database-url=postgres://h/d";
+        let defaults = TaskSettings::default();
+        let Command::Run(run) = parse(&["run", db]) else {
+            panic!("not run")
+        };
+        assert_eq!(run.task_settings(), defaults);
+        let Command::Trace(trace) = parse(&["trace", db, "--event-name", "x"]) else {
+            panic!("not trace")
+        };
+        assert_eq!(trace.task.settings(), defaults);
+        let Command::Replay(replay) = parse(&["replay", db, "--event-name", "x"]) else {
+            panic!("not replay")
+        };
+        assert_eq!(replay.task.settings(), defaults);
+        let Command::Reconcile(reconcile) = parse(&["reconcile", db, "--since", "1h"]) else {
+            panic!("not reconcile")
+        };
+        assert_eq!(reconcile.task.settings(), defaults);
+    }
+}

@@ -64,7 +64,7 @@ impl QueueRoute {
 }
 
 /// Everything about a task that comes from configuration.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TaskSettings {
     /// Prepended to the event name to form the task type (`event:` for the Go kit).
     pub type_prefix: String,
@@ -77,6 +77,26 @@ pub struct TaskSettings {
     pub retention_secs: i64,
     /// Rows whose payload is larger are bad rows (dead letters), not tasks.
     pub max_payload_bytes: usize,
+}
+
+/// The relay's defaults, those of `outbox-relay run` (and of `trace`, `replay`, `reconcile`)
+/// given no task setting (docs/configuration.md): type `event:` and the event name, the Go
+/// kit's Envelope payload, queue `default`, MaxRetry 25, a 30-minute timeout, kept 24 hours
+/// once done, payloads up to 1 MiB. The flags' defaults are held to this by a unit test
+/// (`src/config/run.rs`).
+impl Default for TaskSettings {
+    fn default() -> Self {
+        TaskSettings {
+            type_prefix: "event:".into(),
+            payload_format: PayloadFormat::Envelope,
+            default_queue: Arc::from("default"),
+            routes: Vec::new(),
+            max_retry: 25,
+            timeout_secs: 30 * 60,
+            retention_secs: 24 * 60 * 60,
+            max_payload_bytes: 1 << 20,
+        }
+    }
 }
 
 impl TaskSettings {

@@ -10,14 +10,8 @@ fn golden() -> serde_json::Value {
 
 fn settings() -> TaskSettings {
     TaskSettings {
-        type_prefix: "event:".into(),
-        payload_format: PayloadFormat::Envelope,
-        default_queue: Arc::from("default"),
         routes: vec![QueueRoute::parse("user.*=critical").unwrap()],
-        max_retry: 25,
-        timeout_secs: 1800,
-        retention_secs: 86_400,
-        max_payload_bytes: 1 << 20,
+        ..TaskSettings::default()
     }
 }
 

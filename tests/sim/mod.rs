@@ -26,7 +26,7 @@ use outbox_relay::metrics::Metrics;
 use outbox_relay::pgoutput::TableName;
 use outbox_relay::poller::{Poller, PollerSettings};
 use outbox_relay::replication::stream::{Stream, StreamSettings};
-use outbox_relay::task::{PayloadFormat, QueueRoute, TaskSettings};
+use outbox_relay::task::{QueueRoute, TaskSettings};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::{Arc, Mutex};
@@ -194,14 +194,8 @@ impl World {
             .map(|r| QueueRoute::parse(r).expect("route"))
             .collect();
         let tasks = Arc::new(TaskSettings {
-            type_prefix: "event:".into(),
-            payload_format: PayloadFormat::Envelope,
-            default_queue: Arc::from("default"),
             routes,
-            max_retry: 25,
-            timeout_secs: 1800,
-            retention_secs: 86_400,
-            max_payload_bytes: 1 << 20,
+            ..TaskSettings::default()
         });
         Self {
             seed,
