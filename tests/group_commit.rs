@@ -17,8 +17,9 @@
 //!   Each write costs the relay and Valkey far more CPU than each task in it (issue 16: the
 //!   relay held less than logical decoding alone under single-row load).
 //!
-//! - With a sink that answers at once (rows a set gap apart, the clock advanced exactly) and one
-//!   that refuses its first write: write spacing, its rate gate, and rows read during a backoff.
+//! - With a sink that answers at once (rows a set gap apart, the clock advanced exactly), one
+//!   that refuses its first write and one that answers 3 ms late: write spacing, its rate gate,
+//!   rows read during a backoff, and where the wait starts (at the newest write).
 //!
 //! tokio's timer, paused or not, fires at whole milliseconds: rows are committed in bursts of
 //! single-row transactions once a millisecond, and a "fast" write takes no time at all.
@@ -590,5 +591,71 @@ fn a_row_read_during_a_backoff_leaves_with_the_retry() {
         after_retry,
         Duration::ZERO,
         "row 1 left {after_retry:?} after the retry (the link takes {LINK:?})"
+    );
+}
+
+/// A sink that answers every write `SLOW_LINK` after it is issued, recording each write as it
+/// is issued.
+#[derive(Clone, Default)]
+struct SlowSink {
+    writes: Arc<Mutex<Vec<Write>>>,
+}
+
+const SLOW_LINK: Duration = Duration::from_millis(3);
+
+impl Sink for SlowSink {
+    fn write(
+        &self,
+        batch: Arc<Batch>,
+    ) -> impl std::future::Future<Output = Result<WriteOutcome, SinkError>> + Send + 'static {
+        let ids = batch.tasks.iter().map(|t| t.id.clone()).collect();
+        self.writes.lock().unwrap().push((Instant::now(), ids));
+        let n = batch.len();
+        async move {
+            tokio::time::sleep(SLOW_LINK).await;
+            Ok(WriteOutcome {
+                enqueued: n,
+                ..WriteOutcome::default()
+            })
+        }
+    }
+}
+
+/// Where the group-commit wait starts: at the newest write, not at the row that opened the
+/// batch. Rows 1 ms apart over a 3 ms link: each row is read while writes are under way, the
+/// newest of them 1 ms old, so the wait is over and the row leaves the moment it is read, in a
+/// write of its own, beside the writes still out. A wait counted from the row itself held each
+/// row for the timer, to the end of the next millisecond tick (found by review: nothing pinned
+/// the wait's starting instant).
+#[test]
+fn a_row_read_after_the_wait_leaves_at_once_beside_writes_under_way() {
+    let rows = 50;
+    let sink = SlowSink::default();
+    let committed = commit_rows(sink.clone(), &vec![Duration::from_millis(1); rows]);
+    let writes = sink.writes.lock().unwrap().clone();
+    assert_eq!(writes.len(), rows, "one write per row");
+    for (at, ids) in &writes {
+        for id in ids {
+            assert_eq!(
+                *at - committed[id],
+                Duration::ZERO,
+                "row {id} waited for its write although the newest write left 1 ms before"
+            );
+        }
+    }
+    // Several writes were out at once: the rows did not wait for a reply either.
+    let out_at_once = writes
+        .iter()
+        .map(|(at, _)| {
+            writes
+                .iter()
+                .filter(|(other, _)| other <= at && *other + SLOW_LINK > *at)
+                .count()
+        })
+        .max()
+        .unwrap();
+    assert!(
+        out_at_once >= 3,
+        "at most {out_at_once} writes out at once over a {SLOW_LINK:?} link with rows 1 ms apart"
     );
 }
