@@ -71,8 +71,7 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
 
     steps = []
     try:
-        if math.isnan(wait_sent(url, name, current_lsn(url), 30.0)[0]):
-            alive()
+        if math.isnan(wait_sent(url, name, current_lsn(url), 30.0, check=alive)[0]):
             raise RuntimeError("pg_recvlogical did not start streaming within 30 s")
         with env.admin() as c:
             c.execute("CHECKPOINT")
@@ -81,7 +80,7 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
             sampler = env.cpu_sampler()
             cpu0 = proc_cpu_seconds(p.pid)
             g = load(env, url, rate, env.a.step_seconds, rows)
-            caught_up = wait_sent(url, name, current_lsn(url), catch_up)[0]
+            caught_up = wait_sent(url, name, current_lsn(url), catch_up, check=alive)[0]
             alive()
             servers = sampler.stop()
             cpu = proc_cpu_seconds(p.pid) - cpu0

@@ -148,13 +148,16 @@ def current_lsn(url: str) -> str:
 
 
 def wait_sent(url: str, slot: str, target: str, limit: float,
-              poll: float = 0.02) -> tuple[float, str | None]:
+              poll: float = 0.02, check=None) -> tuple[float, str | None]:
     """Waits until the walsender streaming `slot` has sent up to `target`: (seconds it took, or
-    NaN after `limit`; the last sent position seen)."""
+    NaN after `limit`; the last sent position seen). `check`, if given, is called at every poll
+    and may raise (the streaming client died: no point waiting out the limit)."""
     t0 = time.monotonic()
     sent = None
     with psycopg.connect(url, autocommit=True) as c:
         while time.monotonic() - t0 < limit:
+            if check:
+                check()
             row = c.execute(
                 "SELECT r.sent_lsn::text, r.sent_lsn >= %s::pg_lsn FROM pg_replication_slots s "
                 "JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = %s",

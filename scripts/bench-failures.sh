@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# scripts/bench-failures.sh — the benchmark's failure paths, run by .ci/run.
+#
+# Usage: scripts/bench-failures.sh
+#
+# The ceiling phase measures what logical decoding alone leaves with pg_recvlogical streaming
+# beside the load. A pg_recvlogical that dies (at once, or in the middle of the ramp) must fail
+# the run and say so, not leave a ceiling measured without a reader. Runs scripts/bench.sh
+# --quick twice, each with a pg_recvlogical wrapper that dies, and fails unless each run fails
+# with pg_recvlogical's exit status in its output.
+set -euo pipefail
+
+SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/lib.sh
+. "$SCRIPTS/lib.sh"
+
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}" >&2
+    exit 2
+fi
+
+real="$(pg_bindir)/pg_recvlogical"
+[[ -x $real ]] || die "no pg_recvlogical at $real"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# Exits with status 3 before streaming anything.
+printf '#!/bin/sh\nexit 3\n' >"$tmp/exits-at-once"
+# The real pg_recvlogical (exec keeps the pid), killed with SIGKILL 2 s after it starts: during
+# the ramp's first steps of one second each.
+printf '#!/bin/sh\n(sleep 2; kill -9 $$) &\nexec "%s" "$@"\n' "$real" >"$tmp/killed-mid-ramp"
+chmod +x "$tmp/exits-at-once" "$tmp/killed-mid-ramp"
+
+# Runs the ceiling phase with the given arguments; fails unless the run fails and its output
+# holds `want`.
+expect_failure() {
+    local name=$1 want=$2 out
+    shift 2
+    log "$name"
+    if out=$("$SCRIPTS/bench.sh" --quick -- --phases ceiling --step-seconds 1 "$@" 2>&1); then
+        printf '%s\n' "$out" | tail -20 >&2
+        die "$name: the benchmark passed"
+    fi
+    if ! grep -qF -- "$want" <<<"$out"; then
+        printf '%s\n' "$out" | tail -20 >&2
+        die "$name: the benchmark failed without saying '$want'"
+    fi
+    log "$name: the run failed, saying '$want'"
+}
+
+expect_failure "pg_recvlogical exits at once" "pg_recvlogical exited (3)" \
+    --ceiling-rates 1000 --pg-recvlogical "$tmp/exits-at-once"
+expect_failure "pg_recvlogical killed in the middle of the ramp" "pg_recvlogical exited (-9)" \
+    --ceiling-rates 1000,1000,1000,1000,1000,1000 --pg-recvlogical "$tmp/killed-mid-ramp"
