@@ -2,7 +2,7 @@
 //! would read them.
 
 use super::servers::Redis;
-use super::waits::eventually;
+use super::waits::{eventually, PATIENCE};
 use outbox_relay::task::TaskMessage;
 use prost::Message;
 
@@ -73,22 +73,26 @@ pub async fn wait_pending(redis: &Redis, queue: &str, n: usize) -> Vec<String> {
 }
 
 /// Waits until every one of `ids` is pending in `queue` (whatever else is there), and returns
-/// the queue's pending ids. A count alone cannot say that: other rows (a test's own inserts, a
-/// load's) may fill it first.
+/// the queue's pending ids; after [`PATIENCE`] fails naming the ids still missing. A count alone
+/// cannot say that: other rows (a test's own inserts, a load's) may fill it first.
 pub async fn wait_pending_ids(redis: &Redis, queue: &str, ids: &[String]) -> Vec<String> {
-    let conn = redis.conn().await;
-    eventually(
-        &format!("{} given ids pending in {queue}", ids.len()),
-        || {
-            let mut conn = conn.clone();
-            async move {
-                let pending = pending_ids(&mut conn, queue).await;
-                let have: std::collections::HashSet<&String> = pending.iter().collect();
-                ids.iter().all(|id| have.contains(id)).then_some(pending)
-            }
-        },
-    )
-    .await
+    let mut conn = redis.conn().await;
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let pending = pending_ids(&mut conn, queue).await;
+        let have: std::collections::HashSet<&String> = pending.iter().collect();
+        let missing: Vec<&String> = ids.iter().filter(|id| !have.contains(id)).collect();
+        if missing.is_empty() {
+            return pending;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "gave up waiting: {} of {} ids not pending in {queue}: {missing:?}",
+            missing.len(),
+            ids.len()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 /// The queues asynq knows (`asynq:queues`), sorted.
