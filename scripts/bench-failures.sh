@@ -6,8 +6,8 @@
 # The ceiling phase measures what logical decoding alone leaves with pg_recvlogical streaming
 # beside the load. A pg_recvlogical that dies (at once, or in the middle of the ramp) must fail
 # the run and say so, not leave a ceiling measured without a reader. Runs scripts/bench.sh
-# --quick twice, each with a pg_recvlogical wrapper that dies, and fails unless each run fails
-# with pg_recvlogical's exit status in its output.
+# --quick twice, with a pg_recvlogical that exits at once and with one killed in the middle of
+# a step, and fails unless each run fails with pg_recvlogical's exit status in its output.
 set -euo pipefail
 
 SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -26,8 +26,10 @@ trap 'rm -rf "$tmp"' EXIT
 # Exits with status 3 before streaming anything.
 printf '#!/bin/sh\nexit 3\n' >"$tmp/exits-at-once"
 # The real pg_recvlogical (exec keeps the pid), killed with SIGKILL 2 s after it starts: during
-# the ramp's first steps of one second each.
-printf '#!/bin/sh\n(sleep 2; kill -9 $$) &\nexec "%s" "$@"\n' "$real" >"$tmp/killed-mid-ramp"
+# the ramp's one step of 5 s (a step that ended sooner, not held, would end the ramp before the
+# kill). The kill checks that the pid is still pg_recvlogical's.
+printf '#!/bin/sh\n(sleep 2; [ "$(cat /proc/$$/comm 2>/dev/null)" = pg_recvlogical ] && kill -9 $$) &\nexec "%s" "$@"\n' \
+    "$real" >"$tmp/killed-mid-ramp"
 chmod +x "$tmp/exits-at-once" "$tmp/killed-mid-ramp"
 
 # Runs the ceiling phase with the given arguments; fails unless the run fails and its output
@@ -36,7 +38,7 @@ expect_failure() {
     local name=$1 want=$2 out
     shift 2
     log "$name"
-    if out=$("$SCRIPTS/bench.sh" --quick -- --phases ceiling --step-seconds 1 "$@" 2>&1); then
+    if out=$("$SCRIPTS/bench.sh" --quick -- --phases ceiling "$@" 2>&1); then
         printf '%s\n' "$out" | tail -20 >&2
         die "$name: the benchmark passed"
     fi
@@ -48,6 +50,6 @@ expect_failure() {
 }
 
 expect_failure "pg_recvlogical exits at once" "pg_recvlogical exited (3)" \
-    --ceiling-rates 1000 --pg-recvlogical "$tmp/exits-at-once"
+    --ceiling-rates 1000 --step-seconds 1 --pg-recvlogical "$tmp/exits-at-once"
 expect_failure "pg_recvlogical killed in the middle of the ramp" "pg_recvlogical exited (-9)" \
-    --ceiling-rates 1000,1000,1000,1000,1000,1000 --pg-recvlogical "$tmp/killed-mid-ramp"
+    --ceiling-rates 1000 --step-seconds 5 --pg-recvlogical "$tmp/killed-mid-ramp"

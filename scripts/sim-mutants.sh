@@ -44,7 +44,7 @@ for patch in tests/sim/mutants/*.patch; do
     expect=${name##*.}
     tree="$work/$name"
     mkdir -p "$tree"
-    rsync -a --exclude /target --exclude /.git "$root/" "$tree/"
+    rsync -a --exclude target/ --exclude /.git "$root/" "$tree/"
     patch -d "$tree" -p1 --quiet <"$patch"
     (cd "$tree" && CARGO_TARGET_DIR="$target" cargo build --release --locked --quiet --example simulate)
     bin="$work/$name.simulate"
