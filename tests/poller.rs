@@ -68,6 +68,16 @@ async fn three_pollers_never_claim_the_same_row() {
     let unique: HashSet<&String> = pending.iter().collect();
     assert_eq!(unique.len(), 20_000);
     assert_eq!(unique, ids.iter().collect::<HashSet<_>>());
+    // A poller counts a chunk once Valkey's reply is back, which can be after its tasks are
+    // visible: wait for the counts (as rows_from_before_the_slot_are_backfilled does).
+    eventually("the pollers count what they wrote", || async {
+        let counted: u64 = relays
+            .iter()
+            .map(|r| r.metrics.poller_delivered.get())
+            .sum();
+        (counted >= 20_000).then_some(())
+    })
+    .await;
     let delivered: Vec<u64> = relays
         .iter()
         .map(|r| r.metrics.poller_delivered.get())
