@@ -17,8 +17,8 @@
 //!   Each write costs the relay and Valkey far more CPU than each task in it (issue 16: the
 //!   relay held less than logical decoding alone under single-row load).
 //!
-//! - With a sink that answers at once (rows a set gap apart, the clock advanced exactly), one
-//!   that refuses its first write and one that answers 3 ms late: write spacing, its rate gate,
+//! - With a sink that answers at once (rows a set gap apart, the clock advanced exactly), and
+//!   one that answers late (refusing its first write, or not): write spacing, its rate gate,
 //!   rows read during a backoff, and where the wait starts (at the newest write).
 //!
 //! tokio's timer, paused or not, fires at whole milliseconds: rows are committed in bursts of
@@ -531,32 +531,44 @@ fn a_slow_trickle_leaves_at_once() {
     }
 }
 
-/// A sink that refuses its first write and answers every later one after `LINK`, recording
-/// each write as it is issued.
-#[derive(Clone, Default)]
-struct FailsFirst {
+/// A sink that answers every write `link` after it is issued, recording each write as it is
+/// issued; with `refuse_first`, its first write is refused at once instead.
+#[derive(Clone)]
+struct LinkSink {
+    link: Duration,
+    refuse_first: bool,
     writes: Arc<Mutex<Vec<Write>>>,
+}
+
+impl LinkSink {
+    fn new(link: Duration, refuse_first: bool) -> Self {
+        Self {
+            link,
+            refuse_first,
+            writes: Arc::default(),
+        }
+    }
 }
 
 const LINK: Duration = Duration::from_millis(20);
 
-impl Sink for FailsFirst {
+impl Sink for LinkSink {
     fn write(
         &self,
         batch: Arc<Batch>,
     ) -> impl std::future::Future<Output = Result<WriteOutcome, SinkError>> + Send + 'static {
         let ids = batch.tasks.iter().map(|t| t.id.clone()).collect();
-        let first = {
+        let refuse = {
             let mut writes = self.writes.lock().unwrap();
             writes.push((Instant::now(), ids));
-            writes.len() == 1
+            self.refuse_first && writes.len() == 1
         };
-        let n = batch.len();
+        let (n, link) = (batch.len(), self.link);
         async move {
-            if first {
+            if refuse {
                 return Err(SinkError::Simulated("refused"));
             }
-            tokio::time::sleep(LINK).await;
+            tokio::time::sleep(link).await;
             Ok(WriteOutcome {
                 enqueued: n,
                 ..WriteOutcome::default()
@@ -570,7 +582,7 @@ impl Sink for FailsFirst {
 /// (the row left a whole round trip, 20 ms here, after the retry).
 #[test]
 fn a_row_read_during_a_backoff_leaves_with_the_retry() {
-    let sink = FailsFirst::default();
+    let sink = LinkSink::new(LINK, true);
     // Row 0's write fails; row 1 is read 30 ms into the backoff. No gap after row 1: the clock
     // then moves by the timers alone (an advance past the retry would fire every timer at once,
     // found by review: a rule sending row 1 300 ms late still passed).
@@ -594,32 +606,7 @@ fn a_row_read_during_a_backoff_leaves_with_the_retry() {
     );
 }
 
-/// A sink that answers every write `SLOW_LINK` after it is issued, recording each write as it
-/// is issued.
-#[derive(Clone, Default)]
-struct SlowSink {
-    writes: Arc<Mutex<Vec<Write>>>,
-}
-
 const SLOW_LINK: Duration = Duration::from_millis(3);
-
-impl Sink for SlowSink {
-    fn write(
-        &self,
-        batch: Arc<Batch>,
-    ) -> impl std::future::Future<Output = Result<WriteOutcome, SinkError>> + Send + 'static {
-        let ids = batch.tasks.iter().map(|t| t.id.clone()).collect();
-        self.writes.lock().unwrap().push((Instant::now(), ids));
-        let n = batch.len();
-        async move {
-            tokio::time::sleep(SLOW_LINK).await;
-            Ok(WriteOutcome {
-                enqueued: n,
-                ..WriteOutcome::default()
-            })
-        }
-    }
-}
 
 /// Where the group-commit wait starts: at the newest write, not at the row that opened the
 /// batch. Rows 1 ms apart over a 3 ms link: each row is read while writes are under way, the
@@ -630,7 +617,7 @@ impl Sink for SlowSink {
 #[test]
 fn a_row_read_after_the_wait_leaves_at_once_beside_writes_under_way() {
     let rows = 50;
-    let sink = SlowSink::default();
+    let sink = LinkSink::new(SLOW_LINK, false);
     let committed = commit_rows(sink.clone(), &vec![Duration::from_millis(1); rows]);
     let writes = sink.writes.lock().unwrap().clone();
     assert_eq!(writes.len(), rows, "one write per row");
