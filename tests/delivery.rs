@@ -87,7 +87,9 @@ async fn sigterm_while_one_queue_is_refused_loses_nothing() {
         b_ids.len() as i64,
         "refused rows stay unpublished"
     );
-    // The WAL is not pinned by the refused queue.
+    // The WAL is not pinned by the refused queue. The walsender applies the relay's last
+    // acknowledgement before it sees the connection close: read the slot once it is released.
+    db.wait_slot_released().await;
     assert!(db.confirmed_flush().await.unwrap() >= after);
 
     // The queue takes writes again; a new relay's poller delivers the refused rows.
@@ -136,6 +138,7 @@ async fn sigterm_during_failing_writes_acknowledges_only_what_valkey_confirmed()
     relay.signal("TERM");
     let status = relay.child.wait().await.unwrap();
     assert!(status.success(), "SIGTERM exits 0: {status}");
+    db.wait_slot_released().await;
     let confirmed = db.confirmed_flush().await.unwrap();
     assert!(
         confirmed >= before,

@@ -160,6 +160,8 @@ async fn status_reports_a_lag_that_grows_while_the_relay_is_stopped() {
     insert_events(&mut c, "order.placed", 10, 10).await;
     wait_pending(&redis, "default", 10).await;
     relay.stop().await;
+    // The walsender outlives the relay by a moment: `active` is read once it is gone.
+    db.wait_slot_released().await;
     let s0 = status_json(&db, &redis.url);
     assert_eq!(s0["slot"]["exists"], true);
     assert_eq!(s0["slot"]["active"], false);
