@@ -63,7 +63,7 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
     p = subprocess.Popen(
         [env.a.pg_recvlogical, "-d", url, "--slot", name, "--start", "-o", "proto_version=1",
          "-o", "publication_names=outbox_relay", "-f", "/dev/null", "-s", "1", "--no-loop"],
-        stdout=subprocess.DEVNULL, stderr=open(err_path, "w"))
+        stdout=subprocess.DEVNULL, stderr=open(err_path, "w"), preexec_fn=env.consumer_preexec())
 
     def alive() -> None:
         if p.poll() is not None:
@@ -104,13 +104,19 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
 def phase_ceiling(env: Env) -> dict:
     rates = [int(x) for x in env.a.ceiling_rates.split(",") if x]
     log(f"phase ceiling: {env.a.ceiling_rates} /s, {env.a.step_seconds:g} s steps")
-    log("  Postgres alone (no slot, no relay)")
-    alone = insert_only(env, rates)
-    log("  with pg_recvlogical streaming (logical decoding, no sink)")
-    decoding = with_recvlogical(env, rates)
-    log("  with the relay streaming")
-    stream = run_steady(env, "bench_ceiling", [], rates)
-    return {"insert_only": alone, "recvlogical": decoding, "stream": stream}
+    if env.a.ceiling_cpu_split:
+        env.split_cpus()
+    try:
+        log("  Postgres alone (no slot, no relay)")
+        alone = insert_only(env, rates)
+        log("  with pg_recvlogical streaming (logical decoding, no sink)")
+        decoding = with_recvlogical(env, rates)
+        log("  with the relay streaming")
+        stream = run_steady(env, "bench_ceiling", [], rates)
+        split = [sorted(side) for side in env.split] if env.split else None
+    finally:
+        env.unsplit_cpus()
+    return {"insert_only": alone, "recvlogical": decoding, "stream": stream, "cpu_split": split}
 
 
 def cores(step: dict) -> dict[str, float]:

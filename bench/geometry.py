@@ -46,6 +46,11 @@ def add_geometry_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--ceiling-rates",
                    default="5000,7500,10000,12500,15000,17500,20000,25000,30000,35000,40000",
                    help="the ceiling search's rates, each tried until one is not held")
+    g.add_argument("--ceiling-cpu-split", action="store_true",
+                   help="run the ceiling phase with Postgres, load_gen and the harness on the "
+                        "first half of the CPUs and Valkey and the consumer (pg_recvlogical or "
+                        "the relay) on the other half, as when the sink and the relay have hosts "
+                        "of their own")
 
 
 def eps(r: dict) -> float:

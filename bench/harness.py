@@ -67,6 +67,8 @@ class Env:
         }
         self.base_env["OUTBOX_LOG"] = "info"
         self._pids: tuple[int, int] | None = None
+        # With split_cpus(): (the database side's CPUs, the consumer side's CPUs).
+        self.split: tuple[set[int], set[int]] | None = None
 
     def db_url(self, name: str) -> str:
         base, _ = self.pg_url.rsplit("/", 1)
@@ -105,7 +107,46 @@ class Env:
     def cpu_sampler(self) -> "CpuSampler":
         if self._pids is None:
             self._pids = self.server_pids()
-        return CpuSampler(*self._pids)
+        return CpuSampler(*self._pids, cpus=sorted(os.sched_getaffinity(0) | self.consumer_cpus()))
+
+    def split_cpus(self) -> None:
+        """Gives the database side (Postgres' processes, those it forks from now on, this harness
+        and the load generator it starts) the first half of this process's CPUs, and the consumer
+        side (Valkey, and pg_recvlogical or the relay through `consumer_preexec`) the other half:
+        the production geometry, where the sink and the relay do not run on Postgres' cores."""
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise RuntimeError("--ceiling-cpu-split needs at least two CPUs")
+        half = len(cpus) // 2
+        db, consumer = set(cpus[:half]), set(cpus[half:])
+        postmaster, valkey = self.server_pids()
+        for pid in [postmaster] + children(postmaster):
+            pin(pid, db)
+        pin(valkey, consumer)
+        pin(os.getpid(), db)
+        self.split = (db, consumer)
+        log(f"  CPUs split: Postgres, load_gen and the harness on {sorted(db)}; Valkey and the "
+            f"consumer on {sorted(consumer)}")
+
+    def unsplit_cpus(self) -> None:
+        if self.split is None:
+            return
+        every = self.split[0] | self.split[1]
+        postmaster, valkey = self.server_pids()
+        for pid in [postmaster] + children(postmaster) + [valkey, os.getpid()]:
+            pin(pid, every)
+        self.split = None
+
+    def consumer_cpus(self) -> set[int]:
+        return self.split[1] if self.split else set()
+
+    def consumer_preexec(self):
+        """For Popen's preexec_fn: runs the child on the consumer side's CPUs once split (the
+        affinity is set before exec, so every thread the child starts inherits it)."""
+        if self.split is None:
+            return None
+        cpus = self.split[1]
+        return lambda: os.sched_setaffinity(0, cpus)
 
     def flush_redis(self) -> None:
         """Empties Valkey for the next measurement, but for the stream's order keys
@@ -212,6 +253,24 @@ def insert_backlog(url: str, n: int, per_txn: int, payload_bytes: int | None = N
 # ---- processes --------------------------------------------------------------------------------
 
 
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a live process onto `cpus` (sched_setaffinity sets one thread's)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return  # it exited meanwhile
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass  # the thread exited meanwhile
+
+
 def proc_cpu_seconds(pid: int) -> float:
     """utime + stime of a live process (all its threads), from /proc/PID/stat."""
     with open(f"/proc/{pid}/stat") as f:
@@ -252,10 +311,12 @@ def pg_category(pid: int) -> str:
     return "pg_backend"
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine has spent busy since boot (all cores), from /proc/stat."""
+def machine_busy_seconds(cpu: int | None = None) -> float:
+    """CPU seconds the whole machine (or one CPU) has spent busy since boot, from /proc/stat."""
+    name = "cpu" if cpu is None else f"cpu{cpu}"
     with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
+        line = next(line for line in f if line.split()[0] == name)
+    fields = [int(x) for x in line.split()[1:]]
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
     return (user + nice + system + irq + softirq + steal) / CLK_TCK
 
@@ -271,8 +332,10 @@ class CpuSampler:
     `interval` of CPU; one that starts counts from zero.
     """
 
-    def __init__(self, postmaster: int, valkey: int, interval: float = 0.025):
+    def __init__(self, postmaster: int, valkey: int, interval: float = 0.025,
+                 cpus: list[int] = ()):
         self.postmaster, self.valkey, self.interval = postmaster, valkey, interval
+        self.cpus = list(cpus)
         self.first: dict[int, tuple[float, float]] = {}
         self.last: dict[int, tuple[float, float]] = {}
         self.category: dict[int, str] = {}
@@ -281,12 +344,12 @@ class CpuSampler:
         self.first = dict(self.last)
         self.t0 = time.monotonic()
         self.busy0 = machine_busy_seconds()
+        self.cpu_busy0 = {c: machine_busy_seconds(c) for c in self.cpus}
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _pids(self) -> list[int]:
-        with open(f"/proc/{self.postmaster}/task/{self.postmaster}/children") as f:
-            return [int(p) for p in f.read().split()] + [self.valkey]
+        return children(self.postmaster) + [self.valkey]
 
     def sample(self) -> None:
         for pid in self._pids():
@@ -308,7 +371,8 @@ class CpuSampler:
         self.thread.join()
         self.sample()
         out = {"span_s": time.monotonic() - self.t0,
-               "machine_busy_s": machine_busy_seconds() - self.busy0}
+               "machine_busy_s": machine_busy_seconds() - self.busy0,
+               "cpu_busy_s": {c: machine_busy_seconds(c) - b for c, b in self.cpu_busy0.items()}}
         top = (0.0, "")
         for pid, (run, wait) in self.last.items():
             run0, wait0 = self.first.get(pid, (0.0, 0.0))
@@ -367,7 +431,8 @@ class Relay:
         self.cpu_ready = math.nan
         self.t_spawn = time.monotonic()
         self.p = subprocess.Popen([env.a.relay, "run"], env=proc_env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True, bufsize=1)
+                                  stderr=subprocess.PIPE, text=True, bufsize=1,
+                                  preexec_fn=env.consumer_preexec())
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 

@@ -181,6 +181,13 @@ def _ceiling(a: argparse.Namespace, res: dict) -> list[str]:
         "| walsender (waiting) | consumer | Valkey | other | machine busy | busiest |",
         "|---|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    split = res.get("cpu_split")
+    if split:
+        db, consumer = (",".join(map(str, side)) for side in split)
+        lines[0] += (
+            f" **CPUs split** (`--ceiling-cpu-split`): Postgres, load_gen and the harness on CPU"
+            f" {db}, Valkey and the consumer on CPU {consumer}, as when the sink and the relay have"
+            " hosts of their own; \"machine busy\" is given per side (database / consumer).")
     runs = (("Postgres alone", res["insert_only"]),
             ("with pg_recvlogical", res.get("recvlogical", [])),
             ("with the relay", res["stream"]))
@@ -192,9 +199,20 @@ def _ceiling(a: argparse.Namespace, res: dict) -> list[str]:
                 f"| {_p99_or_catch_up(st)} | {'yes' if st['kept_up'] else 'no'} "
                 f"| {c['load_gen']:.2f} | {c['backends']:.2f} "
                 f"| {c['walsender']:.2f} ({c['walsender_wait']:.2f}) | {c['relay']:.2f} "
-                f"| {c['valkey']:.2f} | {c['other']:.2f} | {c['busy'] / a.nproc:.0%} "
+                f"| {c['valkey']:.2f} | {c['other']:.2f} | {_busy(a, st, split)} "
                 f"| {st['servers'].get('top_server', '—')} {c['top']:.2f} |")
     return lines + [""]
+
+
+def _busy(a: argparse.Namespace, st: dict, split: list[list[int]] | None) -> str:
+    """The machine's busy share, or with the CPUs split each side's."""
+    sv = st["servers"]
+    if not split:
+        return f"{sv['machine_busy_s'] / sv['span_s'] / a.nproc:.0%}"
+    # JSON keys are strings once the results went through a file.
+    per_cpu = {int(c): b for c, b in sv["cpu_busy_s"].items()}
+    side = lambda cpus: sum(per_cpu[c] for c in cpus) / sv["span_s"] / len(cpus)  # noqa: E731
+    return " / ".join(f"{side(cpus):.0%}" for cpus in split)
 
 
 def _p99_or_catch_up(st: dict) -> str:

@@ -106,13 +106,7 @@ log "building the release binary and the benchmark examples"
 cargo build --release --locked --bin outbox-relay --example naive_relay --example load_gen \
     --example latency_proxy >&2
 
-VENV=$ROOT/bench/.venv
-if [[ ! -x $VENV/bin/python ]] || ! cmp -s bench/requirements.txt "$VENV/requirements.txt"; then
-    log "installing bench/requirements.txt into bench/.venv"
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --disable-pip-version-check -r bench/requirements.txt >&2
-    cp bench/requirements.txt "$VENV/requirements.txt"
-fi
+PYTHON=$(bench_python "$ROOT")
 
 TMP=$(mktemp -d /tmp/outbox-relay-bench.XXXXXX)
 chmod 755 "$TMP"
@@ -145,7 +139,7 @@ mkdir -p "$WORK"
 QUICK_ARG=()
 ((QUICK)) && QUICK_ARG=(--quick)
 log "postgres $PG_URL, redis $REDIS_URL; $EVENTS events per backlog phase; report to $DOCS_DIR"
-"$VENV/bin/python" bench/bench.py \
+"$PYTHON" bench/bench.py \
     --pg-url "$PG_URL" --redis-url "$REDIS_URL" \
     --relay "$ROOT/target/release/outbox-relay" \
     --naive "$ROOT/target/release/examples/naive_relay" \

@@ -25,6 +25,8 @@
 #                         `requirepass`, unless it is set already
 #   redis_tls_args PORT   print, one per line, the redis-server options that make it
 #                         listen with TLS only, on PORT (after use_tls)
+#   bench_python ROOT     print the python of ROOT/bench/.venv, creating it (or installing
+#                         bench/requirements.txt again when that changed) first
 #
 # Nothing here touches the system Postgres (5432) or Redis (6379).
 
@@ -272,4 +274,16 @@ auth_from_conf() {
     [[ -z ${REDISCLI_AUTH:-} && -f $1/redis.conf ]] || return 0
     pw=$(sed -n 's/^requirepass "\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$1/redis.conf" | head -n 1)
     [[ -z $pw ]] || export REDISCLI_AUTH=$pw
+}
+
+bench_python() {
+    local root=$1 venv=$1/bench/.venv
+    if [[ ! -x $venv/bin/python ]] || ! cmp -s "$root/bench/requirements.txt" "$venv/requirements.txt"; then
+        log "installing bench/requirements.txt into bench/.venv"
+        python3 -m venv "$venv" >&2
+        "$venv/bin/pip" install --quiet --disable-pip-version-check \
+            -r "$root/bench/requirements.txt" >&2
+        cp "$root/bench/requirements.txt" "$venv/requirements.txt"
+    fi
+    echo "$venv/bin/python"
 }

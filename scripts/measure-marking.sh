@@ -11,8 +11,15 @@
 # WAL the inserts wrote,
 # the WAL written while the relay drained (the marking's UPDATEs and their index and heap
 # changes), the rows updated, the UPDATE statements, and the drain time.
+#
+# Then, in a second table, what one marking statement costs the Postgres backend by how many ids
+# it carries (bench/mark_cost.py: the relay's own UPDATE and DELETE, 20 to 10,000 ids each, over
+# MARK_COST_ROWS rows per size, default 60000; needs python3-venv for bench/.venv).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
+MARK_COST_ROWS=${MARK_COST_ROWS:-60000}
 EVENTS=${1:-100000}
 WORK=$(mktemp -d /tmp/outbox-relay-marking.XXXXXX)
 chmod 755 "$WORK"
@@ -86,3 +93,14 @@ PY
 done
 echo
 echo "EVENTS=$EVENTS; the transactions column counts the database's commits during the drain (each marking statement is one; the relay's monitor adds a few reads)."
+
+echo
+db=mark_cost
+url="${PG%/*}/$db"
+q "$PG" "CREATE DATABASE $db"
+OUTBOX_DATABASE_URL=$url "$BIN" migrate >/dev/null 2>&1
+q "$url" "INSERT INTO outbox_events (event_id, event_name, payload)
+    SELECT gen_random_uuid(), 'order.placed', jsonb_build_object('order_id', g, 'note', repeat('x', 120))
+    FROM generate_series(1, $((MARK_COST_ROWS * 10))) g"
+q "$url" "VACUUM ANALYZE outbox_events"
+"$(bench_python "$ROOT")" "$ROOT/bench/mark_cost.py" --database-url "$url" --rows "$MARK_COST_ROWS"
