@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 import subprocess
 
-from harness import Env, create_slot, current_lsn, log, proc_cpu_seconds, wait_sent
+from harness import (Env, create_slot, current_lsn, log, proc_cpu_seconds, thread_siblings,
+                     wait_sent)
 from steady import load, run_steady
 
 
@@ -104,9 +105,9 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
 def phase_ceiling(env: Env) -> dict:
     rates = [int(x) for x in env.a.ceiling_rates.split(",") if x]
     log(f"phase ceiling: {env.a.ceiling_rates} /s, {env.a.step_seconds:g} s steps")
-    if env.a.ceiling_cpu_split:
-        env.split_cpus()
     try:
+        if env.a.ceiling_cpu_split:
+            env.split_cpus()
         log("  Postgres alone (no slot, no relay)")
         alone = insert_only(env, rates)
         log("  with pg_recvlogical streaming (logical decoding, no sink)")
@@ -114,9 +115,12 @@ def phase_ceiling(env: Env) -> dict:
         log("  with the relay streaming")
         stream = run_steady(env, "bench_ceiling", [], rates)
         split = [sorted(side) for side in env.split] if env.split else None
+        shared = (sorted(c for c in split[1] if thread_siblings(c) & set(split[0]))
+                  if split else [])
     finally:
         env.unsplit_cpus()
-    return {"insert_only": alone, "recvlogical": decoding, "stream": stream, "cpu_split": split}
+    return {"insert_only": alone, "recvlogical": decoding, "stream": stream, "cpu_split": split,
+            "cpu_split_shared_cores": shared}
 
 
 def cores(step: dict) -> dict[str, float]:

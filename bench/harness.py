@@ -113,29 +113,43 @@ class Env:
         """Gives the database side (Postgres' processes, those it forks from now on, this harness
         and the load generator it starts) the first half of this process's CPUs, and the consumer
         side (Valkey, and pg_recvlogical or the relay through `consumer_preexec`) the other half:
-        the production geometry, where the sink and the relay do not run on Postgres' cores."""
+        the production geometry, where the sink and the relay do not run on Postgres' cores.
+        Marks the split before pinning anything, so `unsplit_cpus` undoes a split that failed
+        halfway."""
         cpus = sorted(os.sched_getaffinity(0))
         if len(cpus) < 2:
             raise RuntimeError("--ceiling-cpu-split needs at least two CPUs")
         half = len(cpus) // 2
         db, consumer = set(cpus[:half]), set(cpus[half:])
-        postmaster, valkey = self.server_pids()
-        for pid in [postmaster] + children(postmaster):
-            pin(pid, db)
-        pin(valkey, consumer)
-        pin(os.getpid(), db)
+        if self._pids is None:
+            self._pids = self.server_pids()
         self.split = (db, consumer)
+        self._pin_sides(db, consumer)
+        shared = sorted(c for c in consumer if thread_siblings(c) & db)
         log(f"  CPUs split: Postgres, load_gen and the harness on {sorted(db)}; Valkey and the "
-            f"consumer on {sorted(consumer)}")
+            f"consumer on {sorted(consumer)}"
+            + (f" (CPUs {shared} share a core with the database side)" if shared else ""))
 
     def unsplit_cpus(self) -> None:
+        """Every process back on every CPU of the split; best effort, so that an error of the
+        phase (a server gone, say) is the one reported."""
         if self.split is None:
             return
         every = self.split[0] | self.split[1]
-        postmaster, valkey = self.server_pids()
-        for pid in [postmaster] + children(postmaster) + [valkey, os.getpid()]:
-            pin(pid, every)
         self.split = None
+        try:
+            self._pin_sides(every, every)
+        except OSError as e:
+            log(f"  could not undo the CPU split: {e}")
+
+    def _pin_sides(self, db: set[int], consumer: set[int]) -> None:
+        postmaster, valkey = self._pids
+        # The postmaster first: a child it forks while its children are listed inherits `db`.
+        pin(postmaster, db)
+        for pid in children(postmaster):
+            pin(pid, db)
+        pin(valkey, consumer)
+        pin(os.getpid(), db)
 
     def consumer_cpus(self) -> set[int]:
         return self.split[1] if self.split else set()
@@ -254,8 +268,26 @@ def insert_backlog(url: str, n: int, per_txn: int, payload_bytes: int | None = N
 
 
 def children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+    """A live process's children (none once it has exited)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def thread_siblings(cpu: int) -> set[int]:
+    """The CPUs that share `cpu`'s core (hyperthreads), as this machine's topology says."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+    except OSError:
+        return {cpu}
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def pin(pid: int, cpus: set[int]) -> None:

@@ -14,6 +14,7 @@ import argparse
 import sys
 
 import psycopg
+from psycopg.types.numeric import Int8
 
 UPDATE = ("UPDATE outbox_events o SET published_at = now() "
           "FROM unnest(%s::bigint[], %s::uuid[]) AS d(id, event_id) "
@@ -42,7 +43,8 @@ def main() -> int:
         need = a.rows * len(sizes) * 2
         if len(rows) < need:
             raise SystemExit(f"mark_cost: {len(rows)} unpublished rows, {need} needed")
-        print("| statement | ids per statement | backend CPU µs per row | ms per statement |")
+        print("| statement | ids per statement | backend CPU µs per row "
+              "| backend CPU ms per statement |")
         print("|---|---:|---:|---:|")
         pos = 0
         for kind, sql in (("UPDATE (mark)", UPDATE), ("DELETE", DELETE)):
@@ -51,7 +53,9 @@ def main() -> int:
                 c0, done, statements = cpu_s(), 0, 0
                 for i in range(0, len(chunk), size):
                     part = chunk[i:i + size]
-                    got = c.execute(sql, ([r[0] for r in part], [r[1] for r in part]),
+                    # bigint[] and uuid[] as tokio-postgres sends them (a list of Python ints
+                    # would go as int4[] and be cast).
+                    got = c.execute(sql, ([Int8(r[0]) for r in part], [r[1] for r in part]),
                                     prepare=False).fetchall()
                     done, statements = done + len(got), statements + 1
                 spent = cpu_s() - c0

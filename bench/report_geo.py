@@ -188,6 +188,11 @@ def _ceiling(a: argparse.Namespace, res: dict) -> list[str]:
             f" **CPUs split** (`--ceiling-cpu-split`): Postgres, load_gen and the harness on CPU"
             f" {db}, Valkey and the consumer on CPU {consumer}, as when the sink and the relay have"
             " hosts of their own; \"machine busy\" is given per side (database / consumer).")
+        shared = res.get("cpu_split_shared_cores")
+        lines[0] += (f" CPU {','.join(map(str, shared))} of the consumer side shares a core with"
+                     " the database side (hyperthreads), so the sides are not apart." if shared else
+                     " No CPU of one side shares a core with the other (the guest's topology: a"
+                     " virtual machine's host may still place them on one).")
     runs = (("Postgres alone", res["insert_only"]),
             ("with pg_recvlogical", res.get("recvlogical", [])),
             ("with the relay", res["stream"]))

@@ -279,11 +279,12 @@ auth_from_conf() {
 bench_python() {
     local root=$1 venv=$1/bench/.venv
     if [[ ! -x $venv/bin/python ]] || ! cmp -s "$root/bench/requirements.txt" "$venv/requirements.txt"; then
+        # Called inside $(...), where set -e is off: each step says whether it failed.
         log "installing bench/requirements.txt into bench/.venv"
-        python3 -m venv "$venv" >&2
+        python3 -m venv "$venv" >&2 || return 1
         "$venv/bin/pip" install --quiet --disable-pip-version-check \
-            -r "$root/bench/requirements.txt" >&2
-        cp "$root/bench/requirements.txt" "$venv/requirements.txt"
+            -r "$root/bench/requirements.txt" >&2 || return 1
+        cp "$root/bench/requirements.txt" "$venv/requirements.txt" || return 1
     fi
     echo "$venv/bin/python"
 }

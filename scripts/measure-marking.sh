@@ -3,8 +3,8 @@
 #
 # Usage: scripts/measure-marking.sh [EVENTS]   (default 100000; OUTBOX_RELAY_BIN skips the build)
 #
-# The stream marks the rows it delivered (`UPDATE ... SET published_at = now() WHERE id =
-# ANY(...)`, coalesced, off its hot path) so the recovery poller does not redo them. This
+# The stream marks the rows it delivered (`UPDATE ... SET published_at = now() FROM
+# unnest(ids, event_ids) ...`, coalesced, off its hot path) so the recovery poller does not redo them. This
 # drains the same backlog three times with a release build: rows marked published (the
 # default), kept as they are (OUTBOX_MARK_PUBLISHED=false) and deleted
 # (OUTBOX_DELETE_DELIVERED=true), on a throwaway Postgres and Redis, and prints per event: the
@@ -20,6 +20,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/lib.sh
 . "$ROOT/scripts/lib.sh"
 MARK_COST_ROWS=${MARK_COST_ROWS:-60000}
+PYTHON=$(bench_python "$ROOT")
 EVENTS=${1:-100000}
 WORK=$(mktemp -d /tmp/outbox-relay-marking.XXXXXX)
 chmod 755 "$WORK"
@@ -103,4 +104,4 @@ q "$url" "INSERT INTO outbox_events (event_id, event_name, payload)
     SELECT gen_random_uuid(), 'order.placed', jsonb_build_object('order_id', g, 'note', repeat('x', 120))
     FROM generate_series(1, $((MARK_COST_ROWS * 10))) g"
 q "$url" "VACUUM ANALYZE outbox_events"
-"$(bench_python "$ROOT")" "$ROOT/bench/mark_cost.py" --database-url "$url" --rows "$MARK_COST_ROWS"
+"$PYTHON" "$ROOT/bench/mark_cost.py" --database-url "$url" --rows "$MARK_COST_ROWS"
