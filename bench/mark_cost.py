@@ -1,11 +1,13 @@
-"""What one marking statement costs Postgres, by how many ids it carries (scripts/measure-marking.sh).
+"""What one marking statement costs Postgres, by how many ids it carries
+(scripts/measure-marking.sh).
 
 The stream marks the rows it delivered with one UPDATE (or, with OUTBOX_DELETE_DELIVERED, one
 DELETE) per coalesced batch of (id, event_id) pairs: the statements of src/store/statements.rs
-`mark_delivered_returning`, copied below, unprepared as the relay sends them. This runs them over
-ROWS unpublished rows of an outbox table (already migrated and filled) in statements of each
-size, on one connection, and prints the backend's CPU per row and per statement, read from
-/proc/PID/schedstat of that backend (so the server must run on this machine).
+`mark_delivered_returning`, copied below, unprepared as the relay sends them. This fills a
+migrated, empty outbox table with the rows it needs, then runs them over ROWS rows per
+statement size and kind, on one connection, and prints the backend's CPU per row and per
+statement, read from /proc/PID/schedstat of that backend (so the server must run on this
+machine).
 """
 
 from __future__ import annotations
@@ -38,11 +40,17 @@ def main() -> int:
             with open(f"/proc/{backend}/schedstat") as f:
                 return int(f.read().split()[0]) / 1e9
 
+        need = a.rows * len(sizes) * 2
+        c.execute("INSERT INTO outbox_events (event_id, event_name, payload) "
+                  "SELECT gen_random_uuid(), 'order.placed', "
+                  "jsonb_build_object('order_id', g, 'note', repeat('x', 120)) "
+                  "FROM generate_series(1, %s) g", (need,))
+        c.execute("VACUUM ANALYZE outbox_events")
         rows = c.execute("SELECT id, event_id FROM outbox_events WHERE published_at IS NULL "
                          "ORDER BY id").fetchall()
-        need = a.rows * len(sizes) * 2
-        if len(rows) < need:
-            raise SystemExit(f"mark_cost: {len(rows)} unpublished rows, {need} needed")
+        if len(rows) != need:
+            raise SystemExit(f"mark_cost: {len(rows)} unpublished rows, {need} expected "
+                             "(the table must start empty)")
         print("| statement | ids per statement | backend CPU µs per row "
               "| backend CPU ms per statement |")
         print("|---|---:|---:|---:|")

@@ -4,13 +4,12 @@
 # Usage: scripts/measure-marking.sh [EVENTS]   (default 100000; OUTBOX_RELAY_BIN skips the build)
 #
 # The stream marks the rows it delivered (`UPDATE ... SET published_at = now() FROM
-# unnest(ids, event_ids) ...`, coalesced, off its hot path) so the recovery poller does not redo them. This
-# drains the same backlog three times with a release build: rows marked published (the
-# default), kept as they are (OUTBOX_MARK_PUBLISHED=false) and deleted
+# unnest(ids, event_ids) ...`, coalesced, off its hot path) so the recovery poller does not
+# redo them. This drains the same backlog three times with a release build: rows marked
+# published (the default), kept as they are (OUTBOX_MARK_PUBLISHED=false) and deleted
 # (OUTBOX_DELETE_DELIVERED=true), on a throwaway Postgres and Redis, and prints per event: the
-# WAL the inserts wrote,
-# the WAL written while the relay drained (the marking's UPDATEs and their index and heap
-# changes), the rows updated, the UPDATE statements, and the drain time.
+# WAL the inserts wrote, the WAL written while the relay drained (the marking's UPDATEs and
+# their index and heap changes), the rows updated, the UPDATE statements, and the drain time.
 #
 # Then, in a second table, what one marking statement costs the Postgres backend by how many ids
 # it carries (bench/mark_cost.py: the relay's own UPDATE and DELETE, 20 to 10,000 ids each, over
@@ -100,8 +99,4 @@ db=mark_cost
 url="${PG%/*}/$db"
 q "$PG" "CREATE DATABASE $db"
 OUTBOX_DATABASE_URL=$url "$BIN" migrate >/dev/null 2>&1
-q "$url" "INSERT INTO outbox_events (event_id, event_name, payload)
-    SELECT gen_random_uuid(), 'order.placed', jsonb_build_object('order_id', g, 'note', repeat('x', 120))
-    FROM generate_series(1, $((MARK_COST_ROWS * 10))) g"
-q "$url" "VACUUM ANALYZE outbox_events"
 "$PYTHON" "$ROOT/bench/mark_cost.py" --database-url "$url" --rows "$MARK_COST_ROWS"
