@@ -3,11 +3,13 @@
 
 The stream marks the rows it delivered with one UPDATE (or, with OUTBOX_DELETE_DELIVERED, one
 DELETE) per coalesced batch of (id, event_id) pairs: the statements of src/store/statements.rs
-`mark_delivered_returning`, copied below, unprepared as the relay sends them. This fills a
-migrated, empty outbox table with the rows it needs, then runs them over ROWS rows per
-statement size and kind, on one connection, and prints the backend's CPU per row and per
-statement, read from /proc/PID/schedstat of that backend (so the server must run on this
-machine).
+`mark_delivered_sql` (what `mark_delivered_returning` sends), copied below with `%s` for `$1`
+and `$2`, unprepared as the relay sends them; the test
+`mark_cost_py_measures_the_relays_marking_statements` (tests/bench_statements.rs) fails when a
+copy differs. This fills a migrated, empty outbox table with the rows it needs, then runs them
+over ROWS rows per statement size and kind, on one connection, and prints the backend's CPU per
+row and per statement, read from /proc/PID/schedstat of that backend (so the server must run on
+this machine).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 pub mod pg;
 mod statements;
 
-pub use statements::{ClaimedRow, DeadLetter, Store};
+pub use statements::{mark_delivered_sql, ClaimedRow, DeadLetter, Store};
 
 use std::future::Future;
 use std::time::Duration;

@@ -73,6 +73,28 @@ pub struct DeadLetter {
     pub dead_at: String,
 }
 
+/// The statement [`Store::mark_delivered_returning`] sends for `table` (its SQL text, as
+/// [`TableName::sql`] gives it): an UPDATE setting `published_at`, or with `delete_delivered` a
+/// DELETE, of the rows matching the pairs of `$1` (ids, `bigint[]`) and `$2` (event ids,
+/// `uuid[]`), returning the ids found. bench/mark_cost.py measures copies of both, held equal
+/// by tests/bench_statements.rs.
+pub fn mark_delivered_sql(table: &str, delete_delivered: bool) -> String {
+    let t = table;
+    if delete_delivered {
+        format!(
+            "DELETE FROM {t} o USING unnest($1::bigint[], $2::uuid[]) AS d(id, event_id) \
+             WHERE o.id = d.id AND o.event_id = d.event_id RETURNING o.id"
+        )
+    } else {
+        format!(
+            "UPDATE {t} o SET published_at = now() \
+             FROM unnest($1::bigint[], $2::uuid[]) AS d(id, event_id) \
+             WHERE o.id = d.id AND o.event_id = d.event_id AND o.published_at IS NULL \
+             RETURNING o.id"
+        )
+    }
+}
+
 /// The statements for one outbox table.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -173,20 +195,7 @@ impl Store {
     ) -> Result<Vec<i64>, tokio_postgres::Error> {
         let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
         let event_ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.1).collect();
-        let t = self.table.sql();
-        let sql = if self.delete_delivered {
-            format!(
-                "DELETE FROM {t} o USING unnest($1::bigint[], $2::uuid[]) AS d(id, event_id) \
-                 WHERE o.id = d.id AND o.event_id = d.event_id RETURNING o.id"
-            )
-        } else {
-            format!(
-                "UPDATE {t} o SET published_at = now() \
-                 FROM unnest($1::bigint[], $2::uuid[]) AS d(id, event_id) \
-                 WHERE o.id = d.id AND o.event_id = d.event_id AND o.published_at IS NULL \
-                 RETURNING o.id"
-            )
-        };
+        let sql = mark_delivered_sql(&self.table.sql(), self.delete_delivered);
         Ok(client
             .query(&sql, &[&ids, &event_ids])
             .await?
