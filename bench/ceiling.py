@@ -6,7 +6,8 @@ Three ramps over --ceiling-rates, each stopped at the first rate it cannot hold:
    slot and no relay. Its highest achieved rate is what the machine can commit.
 2. Logical decoding alone: the same load with pg_recvlogical streaming the slot to /dev/null.
    Its highest held rate is what the machine can commit while a walsender decodes every
-   commit, the cost any consumer of the slot pays: the fair ceiling for the relay.
+   commit, the cost any consumer of the slot pays: the fair ceiling for the relay. It is held
+   by the relay's latency rules, applied to the walsender's send lag (bench/send_lag.py).
 3. The stream: the same load with the relay streaming it into Valkey (bench/steady.py), kept up
    or not by the steady phase's rules.
 
@@ -20,9 +21,11 @@ from __future__ import annotations
 
 import math
 import subprocess
+import time
 
 from harness import (Env, create_slot, current_lsn, log, proc_cpu_seconds, thread_siblings,
                      wait_sent)
+from send_lag import SendLag, verdict
 from steady import load, run_steady
 
 
@@ -54,8 +57,10 @@ def insert_only(env: Env, rates: list[int]) -> list[dict]:
 
 def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
     """load_gen at each rate while pg_recvlogical streams the slot to /dev/null, until a rate is
-    not held: the load falls short, or the walsender has not sent the step's commits within
-    --max-p99-ms of the load's end (the bound the relay's p99 must keep to be held)."""
+    not held: the load falls short, the walsender has not sent the step's commits within
+    --max-p99-ms of the load's end (the bound the relay's p99 must keep to be held), or its send
+    lag during the load (bench/send_lag.py, a lower bound on the consumer's latency) failed the
+    relay's rules: p99 over --max-p99-ms or a drift over --max-drift-ms."""
     name = "bench_ceiling_rl"
     url = env.fresh_db(name)
     create_slot(url, name)
@@ -80,19 +85,31 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
             rows = env.workdir / f"recvlogical-{rate}.tsv"
             sampler = env.cpu_sampler()
             cpu0 = proc_cpu_seconds(p.pid)
-            g = load(env, url, rate, env.a.step_seconds, rows)
-            caught_up = wait_sent(url, name, current_lsn(url), catch_up, check=alive)[0]
+            probe = SendLag(url, name)
+            try:
+                t0 = time.monotonic()
+                g = load(env, url, rate, env.a.step_seconds, rows)
+                t1 = time.monotonic()
+                caught_up = wait_sent(url, name, current_lsn(url), catch_up, check=alive)[0]
+            finally:
+                probe_cpu = probe.stop()
             alive()
             servers = sampler.stop()
             cpu = proc_cpu_seconds(p.pid) - cpu0
             rows.unlink(missing_ok=True)
-            held = g["achieved_rate"] >= 0.95 * rate and not math.isnan(caught_up)
+            lag = verdict(probe.lags_ms(t0, t1))
+            held = (g["achieved_rate"] >= 0.95 * rate and not math.isnan(caught_up)
+                    and lag["lag_p99_ms"] <= env.a.max_p99_ms
+                    and lag["lag_drift_ms"] <= env.a.max_drift_ms)
             steps.append({"target": rate, "achieved": g["achieved_rate"],
                           "events": int(g["inserted"]), "connections": g["connections"],
                           "load_gen_cpu_s": g["cpu_s"], "servers": servers, "kept_up": held,
-                          "relay_cpu_s": cpu, "caught_up_s": caught_up})
+                          "relay_cpu_s": cpu, "caught_up_s": caught_up,
+                          "probe_cpu_s": probe_cpu, **lag})
             log(f"    with pg_recvlogical: {g['achieved_rate']:,.0f}/s of {rate:,}/s, "
-                f"sent {caught_up:.2f} s after the load stopped")
+                f"sent {caught_up:.2f} s after the load stopped; send lag p50 "
+                f"{lag['lag_p50_ms']:.1f} ms, p99 {lag['lag_p99_ms']:.1f} ms, drift "
+                f"{lag['lag_drift_ms']:.1f} ms ({lag['lag_samples']} samples)")
             if not held:
                 break
     finally:
@@ -129,7 +146,10 @@ def cores(step: dict) -> dict[str, float]:
     span = sv["span_s"] or float("nan")
     out = {
         "load_gen": step["load_gen_cpu_s"] / span,
-        "backends": (sv.get("cpu_pg_backend_s", 0.0) + sv.get("cpu_pg_background_s", 0.0)) / span,
+        # Without the send-lag probe's backend (pg_recvlogical's steps): the harness's, not the
+        # load's.
+        "backends": (sv.get("cpu_pg_backend_s", 0.0) + sv.get("cpu_pg_background_s", 0.0)
+                     - step.get("probe_cpu_s", 0.0)) / span,
         "walsender": sv.get("cpu_walsender_s", 0.0) / span,
         "walsender_wait": sv.get("wait_walsender_s", 0.0) / span,
         "relay": step.get("relay_cpu_s", 0.0) / span,

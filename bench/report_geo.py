@@ -171,9 +171,13 @@ def _ceiling(a: argparse.Namespace, res: dict) -> list[str]:
         f"**The insert ceiling**: single-row transactions at rising rates, {a.step_seconds:g} s"
         " per step, until a rate is not held; first Postgres alone (no slot, no relay), then with"
         " pg_recvlogical streaming the slot to /dev/null (held: the load reached 95% of the"
-        f" rate and the walsender sent the step's commits within {a.max_p99_ms:g} ms of its end,"
-        " the bound on the relay's p99; what logical decoding itself leaves; its p99 column is"
-        " how long after the step's end the walsender had sent everything), then with the relay streaming (kept up as in the steady"
+        f" rate, the walsender sent the step's commits within {a.max_p99_ms:g} ms of its end,"
+        " the bound on the relay's p99, and its send lag sampled during the load, a lower bound"
+        " on any consumer's latency, kept to the relay's rules: p99 within"
+        f" {a.max_p99_ms:g} ms, drift within {a.max_drift_ms:g} ms; what logical decoding"
+        " itself leaves; its p99 column is the send lag's p99 and drift, and how long after"
+        " the step's end the walsender had sent everything; its backends leave out the probe's),"
+        " then with the relay streaming (kept up as in the steady"
         " phase; the \"consumer\" column is pg_recvlogical or the relay). CPU in cores (CPU seconds per"
         " second of the step and its drain) per process group; \"busiest\" is the busiest single"
         " Postgres or Valkey process (1.00 is a whole core).", "",
@@ -223,9 +227,11 @@ def _busy(a: argparse.Namespace, st: dict, split: list[list[int]] | None) -> str
 def _p99_or_catch_up(st: dict) -> str:
     """The relay's p99, or for pg_recvlogical how long the walsender took to send the step."""
     if "caught_up_s" in st:
+        lag = (f"lag {_num(st['lag_p99_ms'], 1)}, drift {_num(st['lag_drift_ms'], 1)}; "
+               if "lag_p99_ms" in st else "")  # results from before the probe have none
         if st["caught_up_s"] != st["caught_up_s"]:  # NaN: not within the bound
-            return "not sent in time"
-        return f"sent +{st['caught_up_s'] * 1e3:.0f} ms"
+            return lag + "not sent in time"
+        return lag + f"sent +{st['caught_up_s'] * 1e3:.0f} ms"
     return _num(st.get("p99_ms"), 1)
 
 

@@ -1,0 +1,101 @@
+"""The walsender's send lag while a ceiling step runs with pg_recvlogical (bench/ceiling.py), so
+that decoding alone is held by the latency rules the relay's steps are held by.
+
+pg_recvlogical writes to /dev/null and the harness cannot see when each event reached it. What
+it can see is how far the walsender streaming the slot has got: every `interval` seconds, on a
+thread, one backend reads the WAL flushed so far and the walsender's sent position. A sample's
+lag is the time since the first byte the walsender had not yet sent was seen flushed, and 0 when
+it had sent everything flushed. No consumer of the slot can have an event before the walsender
+sent it, so the lag is a lower bound on any consumer's latency (commit to receipt), to within
+one interval: a position counts as flushed from the first sample that saw it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+
+import psycopg
+
+from harness import proc_schedstat
+from steady import median, percentile
+
+
+def lsn(text: str) -> int:
+    """A pg_lsn's text ('16/B374D848') as a byte position."""
+    hi, lo = text.split("/")
+    return (int(hi, 16) << 32) | int(lo, 16)
+
+
+class SendLag:
+    """Samples (time, WAL flushed, sent by the walsender of `slot`) until `stop()`. Its backend's
+    CPU is counted, so that a step's Postgres backends can be read without the probe."""
+
+    QUERY = ("SELECT pg_current_wal_flush_lsn()::text, "
+             "(SELECT r.sent_lsn::text FROM pg_replication_slots s "
+             "JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = %s)")
+
+    def __init__(self, url: str, slot: str, interval: float = 0.025):
+        self.slot, self.interval = slot, interval
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.backend = self.conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        self.samples: list[tuple[float, int, int | None]] = []
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.cpu0 = proc_schedstat(self.backend)[0]
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.done.wait(self.interval):
+                flushed, sent = self.conn.execute(self.QUERY, (self.slot,)).fetchone()
+                self.samples.append((time.monotonic(), lsn(flushed),
+                                     lsn(sent) if sent else None))
+        except BaseException as e:  # noqa: BLE001 - raised again by stop()
+            self.error = e
+
+    def stop(self) -> float:
+        """Stops sampling; returns the probe backend's CPU seconds since the start."""
+        self.done.set()
+        self.thread.join()
+        try:
+            if self.error:
+                raise RuntimeError(f"send-lag probe failed: {self.error}") from self.error
+            return proc_schedstat(self.backend)[0] - self.cpu0
+        finally:
+            self.conn.close()
+
+    def lags_ms(self, t0: float, t1: float) -> list[float]:
+        """The lag of each sample taken between t0 and t1 (monotonic), in order, in ms. A sample
+        taken while no walsender streamed the slot has no lag and is left out (the caller checks
+        that pg_recvlogical is alive)."""
+        times = [s[0] for s in self.samples]
+        flushed = [s[1] for s in self.samples]
+        out = []
+        for i, (t, f, sent) in enumerate(self.samples):
+            if not t0 <= t <= t1 or sent is None:
+                continue
+            if sent >= f:
+                out.append(0.0)
+                continue
+            # The first sample that saw a byte past `sent` flushed (at or before this one, as
+            # this one saw f > sent).
+            j = bisect.bisect_right(flushed, sent, 0, i + 1)
+            out.append((t - times[j]) * 1e3)
+        return out
+
+
+def verdict(lags: list[float]) -> dict:
+    """p50, p99 and drift of a step's lags, drift as the relay's steps measure it: the median of
+    the last fifth above that of the first fifth."""
+    if not lags:
+        return {"lag_samples": 0, "lag_p50_ms": math.nan, "lag_p99_ms": math.nan,
+                "lag_drift_ms": math.nan}
+    fifth = max(1, len(lags) // 5)
+    ordered = sorted(lags)
+    return {"lag_samples": len(lags), "lag_p50_ms": percentile(ordered, 0.50),
+            "lag_p99_ms": percentile(ordered, 0.99),
+            "lag_drift_ms": median(lags[-fifth:]) - median(lags[:fifth])}
