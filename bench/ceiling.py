@@ -28,6 +28,9 @@ from harness import (Env, create_slot, current_lsn, log, proc_cpu_seconds, threa
 from send_lag import SendLag, verdict
 from steady import load, run_steady
 
+# examples/load_gen: connections are set up, and the clock starts, this long after it starts.
+LOAD_GEN_LEAD_S = 0.3
+
 
 
 def insert_only(env: Env, rates: list[int]) -> list[dict]:
@@ -87,17 +90,25 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
             cpu0 = proc_cpu_seconds(p.pid)
             probe = SendLag(url, name)
             try:
-                t0 = time.monotonic()
-                g = load(env, url, rate, env.a.step_seconds, rows)
-                t1 = time.monotonic()
-                caught_up = wait_sent(url, name, current_lsn(url), catch_up, check=alive)[0]
+                try:
+                    t0 = time.monotonic()
+                    g = load(env, url, rate, env.a.step_seconds, rows)
+                    caught_up = wait_sent(url, name, current_lsn(url), catch_up, check=alive)[0]
+                except BaseException:
+                    probe.stop(raise_error=False)  # the step's error is the one to report
+                    raise
+                probe.stop()
+                alive()
+                servers = sampler.stop()
             finally:
-                probe_cpu = probe.stop()
-            alive()
-            servers = sampler.stop()
+                probe_cpu = probe.close()
             cpu = proc_cpu_seconds(p.pid) - cpu0
             rows.unlink(missing_ok=True)
-            lag = verdict(probe.lags_ms(t0, t1))
+            # The load: load_gen starts its clock 300 ms after it starts (connections first).
+            start = t0 + LOAD_GEN_LEAD_S
+            lag = verdict(probe.lags_ms(start, start + g["seconds"]))
+            if not lag["lag_samples"]:
+                raise RuntimeError(f"send-lag probe: no sample during the {rate:,}/s step")
             held = (g["achieved_rate"] >= 0.95 * rate and not math.isnan(caught_up)
                     and lag["lag_p99_ms"] <= env.a.max_p99_ms
                     and lag["lag_drift_ms"] <= env.a.max_drift_ms)
@@ -146,8 +157,8 @@ def cores(step: dict) -> dict[str, float]:
     span = sv["span_s"] or float("nan")
     out = {
         "load_gen": step["load_gen_cpu_s"] / span,
-        # Without the send-lag probe's backend (pg_recvlogical's steps): the harness's, not the
-        # load's.
+        # Without the send-lag probe's backend (pg_recvlogical's steps), which the other ramps
+        # do not have.
         "backends": (sv.get("cpu_pg_backend_s", 0.0) + sv.get("cpu_pg_background_s", 0.0)
                      - step.get("probe_cpu_s", 0.0)) / span,
         "walsender": sv.get("cpu_walsender_s", 0.0) / span,

@@ -6,8 +6,11 @@ it can see is how far the walsender streaming the slot has got: every `interval`
 thread, one backend reads the WAL flushed so far and the walsender's sent position. A sample's
 lag is the time since the first byte the walsender had not yet sent was seen flushed, and 0 when
 it had sent everything flushed. No consumer of the slot can have an event before the walsender
-sent it, so the lag is a lower bound on any consumer's latency (commit to receipt), to within
-one interval: a position counts as flushed from the first sample that saw it.
+sent it (it passes a commit only once the transaction is in its socket), so the lag is a lower
+bound on any consumer's latency (commit to receipt): a position counts as flushed from the end
+of the first query that saw it, and a sample's time is the start of its own query. (Strictly,
+the unsent byte may be an insert whose commit follows it; with the benchmark's single-row
+autocommit inserts that is microseconds.)
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ def lsn(text: str) -> int:
 
 
 class SendLag:
-    """Samples (time, WAL flushed, sent by the walsender of `slot`) until `stop()`. Its backend's
-    CPU is counted, so that a step's Postgres backends can be read without the probe."""
+    """Samples (time, WAL flushed, sent by the walsender of `slot`) from construction until
+    `stop()`; `close()` ends its connection and returns its backend's CPU seconds, counted from
+    the backend's start (so that a step's Postgres backends can be read without the probe: call
+    it after the step's CpuSampler stopped)."""
 
     QUERY = ("SELECT pg_current_wal_flush_lsn()::text, "
              "(SELECT r.sent_lsn::text FROM pg_replication_slots s "
@@ -39,52 +44,66 @@ class SendLag:
 
     def __init__(self, url: str, slot: str, interval: float = 0.025):
         self.slot, self.interval = slot, interval
-        self.conn = psycopg.connect(url, autocommit=True)
-        self.backend = self.conn.execute("SELECT pg_backend_pid()").fetchone()[0]
-        self.samples: list[tuple[float, int, int | None]] = []
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.cpu0 = proc_schedstat(self.backend)[0]
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        # A Postgres that hangs must not hang the run: the thread is joined with a timeout.
+        self.conn = psycopg.connect(url, autocommit=True, options="-c statement_timeout=5s")
+        try:
+            self.backend = self.conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+            # (query start, query end, WAL flushed, sent or None when no walsender streams)
+            self.samples: list[tuple[float, float, int, int | None]] = []
+            self.error: BaseException | None = None
+            self.done = threading.Event()
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+        except BaseException:
+            self.conn.close()
+            raise
 
     def _run(self) -> None:
         try:
             while not self.done.wait(self.interval):
+                t0 = time.monotonic()
                 flushed, sent = self.conn.execute(self.QUERY, (self.slot,)).fetchone()
-                self.samples.append((time.monotonic(), lsn(flushed),
+                self.samples.append((t0, time.monotonic(), lsn(flushed),
                                      lsn(sent) if sent else None))
-        except BaseException as e:  # noqa: BLE001 - raised again by stop()
+        except BaseException as e:  # noqa: BLE001 - reported by stop()
             self.error = e
 
-    def stop(self) -> float:
-        """Stops sampling; returns the probe backend's CPU seconds since the start."""
+    def stop(self, raise_error: bool = True) -> None:
+        """Stops sampling. Raises the probe's own failure unless `raise_error` is false (when
+        the step already failed, its error is the one to report)."""
         self.done.set()
-        self.thread.join()
+        self.thread.join(timeout=10)
+        if raise_error and self.thread.is_alive():
+            raise RuntimeError("send-lag probe: a query did not return within 10 s")
+        if raise_error and self.error:
+            raise RuntimeError(f"send-lag probe failed: {self.error}") from self.error
+
+    def close(self) -> float:
         try:
-            if self.error:
-                raise RuntimeError(f"send-lag probe failed: {self.error}") from self.error
-            return proc_schedstat(self.backend)[0] - self.cpu0
+            return proc_schedstat(self.backend)[0]
+        except (OSError, ValueError):
+            return math.nan  # the backend is gone (Postgres died): the step's error says why
         finally:
             self.conn.close()
 
     def lags_ms(self, t0: float, t1: float) -> list[float]:
-        """The lag of each sample taken between t0 and t1 (monotonic), in order, in ms. A sample
-        taken while no walsender streamed the slot has no lag and is left out (the caller checks
-        that pg_recvlogical is alive)."""
-        times = [s[0] for s in self.samples]
-        flushed = [s[1] for s in self.samples]
+        """The lag of each sample whose query started between t0 and t1 (monotonic), in order,
+        in ms. A sample taken while no walsender streamed the slot has no lag and is left out
+        (the caller checks that pg_recvlogical is alive)."""
+        ends = [s[1] for s in self.samples]
+        flushed = [s[2] for s in self.samples]
         out = []
-        for i, (t, f, sent) in enumerate(self.samples):
-            if not t0 <= t <= t1 or sent is None:
+        for i, (start, _, f, sent) in enumerate(self.samples):
+            if not t0 <= start <= t1 or sent is None:
                 continue
             if sent >= f:
                 out.append(0.0)
                 continue
             # The first sample that saw a byte past `sent` flushed (at or before this one, as
-            # this one saw f > sent).
+            # this one saw f > sent): the byte was flushed before that query ended, and sample
+            # i read `sent` after its own query started.
             j = bisect.bisect_right(flushed, sent, 0, i + 1)
-            out.append((t - times[j]) * 1e3)
+            out.append(max(0.0, start - ends[j]) * 1e3)
         return out
 
 

@@ -112,7 +112,8 @@ async fn main() -> anyhow::Result<()> {
     );
     let planned = (args.rate * args.seconds).round() as u64;
     let next = Arc::new(AtomicU64::new(0));
-    // Connections are set up before the clock starts.
+    // Connections are set up before the clock starts (bench/ceiling.py LOAD_GEN_LEAD_S repeats
+    // the 300 ms).
     let start = Instant::now() + Duration::from_millis(300);
     let deadline = start + Duration::from_secs_f64(args.seconds);
     let mut tasks = Vec::new();

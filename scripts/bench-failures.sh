@@ -8,6 +8,8 @@
 # the run and say so, not leave a ceiling measured without a reader. Runs scripts/bench.sh
 # --quick twice, with a pg_recvlogical that exits at once and with one killed in the middle of
 # a step, and fails unless each run fails with pg_recvlogical's exit status in its output.
+# Then once with --ceiling-cpu-split on a single CPU (taskset), which must refuse to run rather
+# than report an unsplit machine as split.
 set -euo pipefail
 
 SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -32,13 +34,14 @@ printf '#!/bin/sh\n(sleep 2; [ "$(cat /proc/$$/comm 2>/dev/null)" = pg_recvlogic
     "$real" >"$tmp/killed-mid-ramp"
 chmod +x "$tmp/exits-at-once" "$tmp/killed-mid-ramp"
 
-# Runs the ceiling phase with the given arguments; fails unless the run fails and its output
-# holds `want`.
+# Runs the ceiling phase with the given arguments, under the command in the array `wrapper`
+# (none when empty); fails unless the run fails and its output holds `want`.
+wrapper=()
 expect_failure() {
     local name=$1 want=$2 out
     shift 2
     log "$name"
-    if out=$("$SCRIPTS/bench.sh" --quick -- --phases ceiling "$@" 2>&1); then
+    if out=$("${wrapper[@]}" "$SCRIPTS/bench.sh" --quick -- --phases ceiling "$@" 2>&1); then
         printf '%s\n' "$out" | tail -20 >&2
         die "$name: the benchmark passed"
     fi
@@ -53,3 +56,9 @@ expect_failure "pg_recvlogical exits at once" "pg_recvlogical exited (3)" \
     --ceiling-rates 1000 --step-seconds 1 --pg-recvlogical "$tmp/exits-at-once"
 expect_failure "pg_recvlogical killed in the middle of the ramp" "pg_recvlogical exited (-9)" \
     --ceiling-rates 1000 --step-seconds 5 --pg-recvlogical "$tmp/killed-mid-ramp"
+# One CPU of those this script may use (CPU 0 may not be among them).
+one_cpu=$(python3 -c 'import os; print(min(os.sched_getaffinity(0)))')
+wrapper=(taskset -c "$one_cpu")
+expect_failure "the CPU split on one CPU" \
+    "--ceiling-cpu-split needs at least two CPUs" \
+    --ceiling-cpu-split --ceiling-rates 1000 --step-seconds 1
