@@ -104,7 +104,8 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
                 probe_cpu = probe.close()
             cpu = proc_cpu_seconds(p.pid) - cpu0
             rows.unlink(missing_ok=True)
-            # The load: load_gen starts its clock 300 ms after it starts (connections first).
+            # The load: load_gen starts its clock 300 ms after it starts (connections first); the
+            # window starts and ends early by its process start-up, milliseconds.
             start = t0 + LOAD_GEN_LEAD_S
             lag = verdict(probe.lags_ms(start, start + g["seconds"]))
             if not lag["lag_samples"]:

@@ -22,7 +22,7 @@ import time
 
 import psycopg
 
-from harness import proc_schedstat
+from harness import log, proc_schedstat
 from steady import median, percentile
 
 
@@ -45,6 +45,7 @@ class SendLag:
     def __init__(self, url: str, slot: str, interval: float = 0.025):
         self.slot, self.interval = slot, interval
         # A Postgres that hangs must not hang the run: the thread is joined with a timeout.
+        # (`options` replaces any the URL carries; the harness's URLs carry none.)
         self.conn = psycopg.connect(url, autocommit=True, options="-c statement_timeout=5s")
         try:
             self.backend = self.conn.execute("SELECT pg_backend_pid()").fetchone()[0]
@@ -79,12 +80,17 @@ class SendLag:
             raise RuntimeError(f"send-lag probe failed: {self.error}") from self.error
 
     def close(self) -> float:
+        """Closes the connection (unless the thread still uses it: a query that never returned;
+        the daemon thread keeps it then) and returns the backend's CPU seconds, or 0 if the
+        backend is gone (Postgres died, which the step reports)."""
         try:
             return proc_schedstat(self.backend)[0]
         except (OSError, ValueError):
-            return math.nan  # the backend is gone (Postgres died): the step's error says why
+            log("  send-lag probe: its backend is gone, its CPU not counted")
+            return 0.0
         finally:
-            self.conn.close()
+            if not self.thread.is_alive():
+                self.conn.close()
 
     def lags_ms(self, t0: float, t1: float) -> list[float]:
         """The lag of each sample whose query started between t0 and t1 (monotonic), in order,

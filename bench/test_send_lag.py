@@ -51,10 +51,11 @@ class Lags(unittest.TestCase):
         self.assertEqual([round(x, 6) for x in p.lags_ms(0.01, 0.06)], [23.0])
 
     def test_drift_is_the_last_fifth_median_above_the_first_fifths(self):
-        lags = [0.0] * 5 + [10.0] * 10 + [150.0] * 5
+        # In time order, not sorted: a lag that fell through the step drifts below zero.
+        lags = [150.0] * 5 + [10.0] * 10 + [0.0] * 5
         v = verdict(lags)
         self.assertEqual(v["lag_samples"], 20)
-        self.assertEqual(v["lag_drift_ms"], 150.0)
+        self.assertEqual(v["lag_drift_ms"], -150.0)
         self.assertEqual(v["lag_p99_ms"], 150.0)
         self.assertEqual(v["lag_p50_ms"], 10.0)
 
