@@ -28,10 +28,6 @@ from harness import (Env, create_slot, current_lsn, log, proc_cpu_seconds, threa
 from send_lag import SendLag, verdict
 from steady import load, run_steady
 
-# examples/load_gen: connections are set up, and the clock starts, this long after it starts.
-LOAD_GEN_LEAD_S = 0.3
-
-
 
 def insert_only(env: Env, rates: list[int]) -> list[dict]:
     """load_gen at each rate into a database nobody streams from, until it falls short."""
@@ -91,8 +87,9 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
             probe = SendLag(url, name)
             try:
                 try:
-                    t0 = time.monotonic()
+                    launched = time.monotonic()
                     g = load(env, url, rate, env.a.step_seconds, rows)
+                    returned = time.monotonic()
                     caught_up = wait_sent(url, name, current_lsn(url), catch_up, check=alive)[0]
                 except BaseException:
                     probe.stop(raise_error=False)  # the step's error is the one to report
@@ -104,10 +101,13 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
                 probe_cpu = probe.close()
             cpu = proc_cpu_seconds(p.pid) - cpu0
             rows.unlink(missing_ok=True)
-            # The load: load_gen starts its clock 300 ms after it starts (connections first); the
-            # window starts and ends early by its process start-up, milliseconds.
-            start = t0 + LOAD_GEN_LEAD_S
-            lag = verdict(probe.lags_ms(start, start + g["seconds"]))
+            # The load's own window, on the monotonic clock the probe's samples are on.
+            start, end = g["load_start_monotonic_s"], g["load_end_monotonic_s"]
+            if not launched < start < end < returned:
+                raise RuntimeError(f"load_gen's load ({start:.3f} to {end:.3f} s) is not within "
+                                   f"its run ({launched:.3f} to {returned:.3f} s): not this "
+                                   "process's monotonic clock?")
+            lag = verdict(probe.lags_ms(start, end))
             if not lag["lag_samples"]:
                 raise RuntimeError(f"send-lag probe: no sample during the {rate:,}/s step")
             held = (g["achieved_rate"] >= 0.95 * rate and not math.isnan(caught_up)

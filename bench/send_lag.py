@@ -46,7 +46,11 @@ class SendLag:
         self.slot, self.interval = slot, interval
         # A Postgres that hangs must not hang the run: the thread is joined with a timeout.
         # (`options` replaces any the URL carries; the harness's URLs carry none.)
-        self.conn = psycopg.connect(url, autocommit=True, options="-c statement_timeout=5s")
+        self._begin(psycopg.connect(url, autocommit=True, options="-c statement_timeout=5s"))
+
+    def _begin(self, conn) -> None:
+        """Starts sampling on `conn` (bench/test_send_lag.py passes a connection of its own)."""
+        self.conn = conn
         try:
             self.backend = self.conn.execute("SELECT pg_backend_pid()").fetchone()[0]
             # (query start, query end, WAL flushed, sent or None when no walsender streams)
@@ -69,13 +73,14 @@ class SendLag:
         except BaseException as e:  # noqa: BLE001 - reported by stop()
             self.error = e
 
-    def stop(self, raise_error: bool = True) -> None:
-        """Stops sampling. Raises the probe's own failure unless `raise_error` is false (when
-        the step already failed, its error is the one to report)."""
+    def stop(self, raise_error: bool = True, timeout: float = 10.0) -> None:
+        """Stops sampling, waiting at most `timeout` seconds for a query under way. Raises the
+        probe's own failure (a query that did not return, or one that failed) unless
+        `raise_error` is false (when the step already failed, its error is the one to report)."""
         self.done.set()
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=timeout)
         if raise_error and self.thread.is_alive():
-            raise RuntimeError("send-lag probe: a query did not return within 10 s")
+            raise RuntimeError(f"send-lag probe: a query did not return within {timeout:g} s")
         if raise_error and self.error:
             raise RuntimeError(f"send-lag probe failed: {self.error}") from self.error
 

@@ -4,6 +4,9 @@ with the benchmark's venv: bench/.venv/bin/python bench/test_send_lag.py"""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import threading
 import unittest
 
 from send_lag import SendLag, lsn, verdict
@@ -63,6 +66,109 @@ class Lags(unittest.TestCase):
         v = verdict([])
         self.assertEqual(v["lag_samples"], 0)
         self.assertTrue(math.isnan(v["lag_drift_ms"]) and math.isnan(v["lag_p99_ms"]))
+
+
+class FakeConnection:
+    """Stands in for the probe's psycopg connection: answers pg_backend_pid() with `backend`;
+    the sampling query returns `sample`, raises `error`, or blocks until `release` is set."""
+
+    def __init__(self, backend: int, sample=("0/10", "0/10"), error=None, hang=False):
+        self.backend, self.sample, self.error = backend, sample, error
+        self.release = threading.Event()
+        if not hang:
+            self.release.set()
+        self.entered = threading.Event()
+        self.closed = False
+
+    def execute(self, query: str, params=None):
+        row = (self.backend,)
+        if query == SendLag.QUERY:
+            self.entered.set()
+            self.release.wait()
+            if self.error:
+                raise self.error
+            row = self.sample
+        self.last = row
+        return self  # as a cursor: fetchone() gives the row of the last query
+
+    def fetchone(self):
+        return self.last
+
+    def close(self):
+        self.closed = True
+
+
+def started(conn: FakeConnection) -> SendLag:
+    p = SendLag.__new__(SendLag)
+    p.slot, p.interval = "slot", 0.001
+    p._begin(conn)
+    return p
+
+
+def gone_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+class StopAndClose(unittest.TestCase):
+    def test_a_probe_that_sampled_stops_and_closes_its_connection(self):
+        conn = FakeConnection(os.getpid(), sample=("0/20", "0/18"))
+        p = started(conn)
+        self.assertTrue(conn.entered.wait(5))
+        p.stop()
+        self.assertGreaterEqual(p.close(), 0.0)
+        self.assertTrue(conn.closed)
+        self.assertTrue(p.samples)
+        self.assertEqual(p.samples[0][2:], (0x20, 0x18))
+
+    def test_a_query_that_never_returns_fails_stop_and_keeps_the_connection_for_its_thread(self):
+        conn = FakeConnection(os.getpid(), hang=True)
+        p = started(conn)
+        self.assertTrue(conn.entered.wait(5))
+        with self.assertRaisesRegex(RuntimeError, "did not return within 0.2 s"):
+            p.stop(timeout=0.2)
+        # The thread is inside execute(): closing the connection under it is what close()
+        # must not do. Its backend's CPU is still read.
+        self.assertGreaterEqual(p.close(), 0.0)
+        self.assertFalse(conn.closed)
+        conn.release.set()
+        p.thread.join(5)
+        self.assertFalse(p.thread.is_alive())
+        p.close()
+        self.assertTrue(conn.closed)
+
+    def test_a_step_that_failed_keeps_its_own_error_over_a_hung_probe(self):
+        conn = FakeConnection(os.getpid(), hang=True)
+        p = started(conn)
+        self.assertTrue(conn.entered.wait(5))
+        p.stop(raise_error=False, timeout=0.2)  # does not raise
+        conn.release.set()
+        p.thread.join(5)
+
+    def test_a_failed_query_fails_stop_unless_the_step_failed_first(self):
+        boom = RuntimeError("statement timeout")
+        for raise_error in (True, False):
+            conn = FakeConnection(os.getpid(), error=boom)
+            p = started(conn)
+            p.thread.join(5)
+            self.assertIs(p.error, boom)
+            if raise_error:
+                with self.assertRaisesRegex(RuntimeError, "send-lag probe failed") as e:
+                    p.stop()
+                self.assertIs(e.exception.__cause__, boom)
+            else:
+                p.stop(raise_error=False)
+            p.close()
+            self.assertTrue(conn.closed)
+
+    def test_a_backend_that_is_gone_counts_no_cpu_and_the_connection_is_closed(self):
+        conn = FakeConnection(gone_pid())
+        p = started(conn)
+        p.stop()
+        self.assertEqual(p.close(), 0.0)
+        self.assertTrue(conn.closed)
 
 
 if __name__ == "__main__":

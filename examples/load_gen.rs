@@ -7,7 +7,9 @@
 //! the machine sustained, never more than the target. Each row's `event_id` and inserting
 //! transaction id (`xmin`) go to `--out` as `event_id<TAB>xid` lines, so the benchmark can read
 //! the commit time (`pg_xact_commit_timestamp`) even after the relay marked the row published.
-//! Prints one JSON line with the target and achieved rates.
+//! Prints one JSON line with the target and achieved rates, and when the load started and ended
+//! on the monotonic clock (`CLOCK_MONOTONIC`, Python's `time.monotonic()` on Linux), so that a
+//! probe sampling beside it (bench/send_lag.py) can take the load's own window.
 //!
 //! ```sh
 //! cargo run --release --example load_gen -- --database-url URL --rate 5000 --seconds 10 --out rows.tsv
@@ -69,6 +71,19 @@ fn metadata() -> String {
     format!(r#"{{"traceparent":"00-{trace:032x}-{span:016x}-01","producer":"checkout"}}"#)
 }
 
+/// `CLOCK_MONOTONIC` in seconds: the clock `std::time::Instant` reads on Linux, and Python's
+/// `time.monotonic()`.
+fn monotonic_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_MONOTONIC)");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
 /// What one connection inserted: (event_id, xid).
 type Inserted = Vec<(String, String)>;
 
@@ -112,9 +127,10 @@ async fn main() -> anyhow::Result<()> {
     );
     let planned = (args.rate * args.seconds).round() as u64;
     let next = Arc::new(AtomicU64::new(0));
-    // Connections are set up before the clock starts (bench/ceiling.py LOAD_GEN_LEAD_S repeats
-    // the 300 ms).
-    let start = Instant::now() + Duration::from_millis(300);
+    // Connections are set up before the clock starts.
+    let lead = Duration::from_millis(300);
+    let start = Instant::now() + lead;
+    let start_monotonic_s = monotonic_s() + lead.as_secs_f64();
     let deadline = start + Duration::from_secs_f64(args.seconds);
     let mut tasks = Vec::new();
     for _ in 0..args.connections.max(1) {
@@ -130,6 +146,8 @@ async fn main() -> anyhow::Result<()> {
     for t in tasks {
         rows.extend(t.await??);
     }
+    // No insert was sent after the deadline; every connection may have finished before it.
+    let end_monotonic_s = monotonic_s().min(start_monotonic_s + args.seconds);
     let elapsed = start.elapsed().as_secs_f64().max(args.seconds);
     let mut file = std::io::BufWriter::new(std::fs::File::create(&args.out)?);
     for (event_id, xid) in &rows {
@@ -145,6 +163,9 @@ async fn main() -> anyhow::Result<()> {
             "seconds": elapsed,
             "achieved_rate": rows.len() as f64 / elapsed,
             "connections": args.connections,
+            // The first insert was due at the start.
+            "load_start_monotonic_s": start_monotonic_s,
+            "load_end_monotonic_s": end_monotonic_s,
         })
     );
     Ok(())

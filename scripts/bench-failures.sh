@@ -9,7 +9,8 @@
 # --quick twice, with a pg_recvlogical that exits at once and with one killed in the middle of
 # a step, and fails unless each run fails with pg_recvlogical's exit status in its output.
 # Then once with --ceiling-cpu-split on a single CPU (taskset), which must refuse to run rather
-# than report an unsplit machine as split.
+# than report an unsplit machine as split; and scripts/measure-marking.sh with a relay whose
+# migrations fail, which must say so with the relay's output.
 set -euo pipefail
 
 SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -62,3 +63,20 @@ wrapper=(taskset -c "$one_cpu")
 expect_failure "the CPU split on one CPU" \
     "--ceiling-cpu-split needs at least two CPUs" \
     --ceiling-cpu-split --ceiling-rates 1000 --step-seconds 1
+
+# scripts/measure-marking.sh with a relay whose migrations fail: it must fail with the relay's
+# own words, not with the missing table's error from the step after.
+log "measure-marking.sh with a failing migrate"
+printf '#!/bin/sh\n[ "$1" = migrate ] && echo "fake relay: migrations refused" >&2\nexit 4\n' \
+    >"$tmp/migrate-fails"
+chmod +x "$tmp/migrate-fails"
+if out=$(OUTBOX_RELAY_BIN="$tmp/migrate-fails" "$SCRIPTS/measure-marking.sh" 100 2>&1); then
+    die "measure-marking.sh passed with a failing migrate"
+fi
+for want in "outbox-relay migrate failed" "fake relay: migrations refused"; do
+    grep -qF -- "$want" <<<"$out" || {
+        printf '%s\n' "$out" | tail -20 >&2
+        die "measure-marking.sh with a failing migrate did not say '$want'"
+    }
+done
+log "measure-marking.sh with a failing migrate: failed, saying so with the relay's output"

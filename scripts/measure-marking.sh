@@ -39,6 +39,14 @@ fi
 PG=$("$ROOT/scripts/pg-start.sh" "$WORK/pg" -- -c track_io_timing=off 2>/dev/null)
 REDIS=$("$ROOT/scripts/redis-start.sh" "$WORK/redis" 2>/dev/null)
 q() { psql "$1" -qAtX -v ON_ERROR_STOP=1 -c "$2"; }
+# The relay's migrations on database URL $1, quietly unless they fail.
+migrate() {
+    local out
+    if ! out=$(OUTBOX_DATABASE_URL=$1 "$BIN" migrate 2>&1); then
+        printf 'measure-marking.sh: outbox-relay migrate failed on %s:\n%s\n' "$1" "$out" >&2
+        exit 1
+    fi
+}
 
 printf '| delivered rows | insert WAL B/event | drain WAL B/event | rows updated or deleted | transactions during the drain | drain s |\n'
 printf '|---|---:|---:|---:|---:|---:|\n'
@@ -46,7 +54,7 @@ for mode in mark keep delete; do
     db="mode_$mode"
     q "$PG" "CREATE DATABASE $db"
     url="${PG%/*}/$db"
-    OUTBOX_DATABASE_URL=$url "$BIN" migrate >/dev/null 2>&1
+    migrate "$url"
     q "$url" "SELECT pg_create_logical_replication_slot('slot_$mode', 'pgoutput')" >/dev/null
     redis-cli -u "$REDIS" flushall >/dev/null
     w0=$(q "$url" "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
@@ -98,5 +106,5 @@ echo
 db=mark_cost
 url="${PG%/*}/$db"
 q "$PG" "CREATE DATABASE $db"
-OUTBOX_DATABASE_URL=$url "$BIN" migrate >/dev/null 2>&1
+migrate "$url"
 "$PYTHON" "$ROOT/bench/mark_cost.py" --database-url "$url" --rows "$MARK_COST_ROWS"
