@@ -102,7 +102,10 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
             cpu = proc_cpu_seconds(p.pid) - cpu0
             rows.unlink(missing_ok=True)
             # The load's own window, on the monotonic clock the probe's samples are on.
+            # The check catches a load_gen on another clock, not an error of milliseconds.
             start, end = g["load_start_monotonic_s"], g["load_end_monotonic_s"]
+            if not g["inserted"]:
+                raise RuntimeError(f"load_gen inserted nothing in the {rate:,}/s step")
             if not launched < start < end < returned:
                 raise RuntimeError(f"load_gen's load ({start:.3f} to {end:.3f} s) is not within "
                                    f"its run ({launched:.3f} to {returned:.3f} s): not this "

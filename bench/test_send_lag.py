@@ -72,8 +72,10 @@ class FakeConnection:
     """Stands in for the probe's psycopg connection: answers pg_backend_pid() with `backend`;
     the sampling query returns `sample`, raises `error`, or blocks until `release` is set."""
 
-    def __init__(self, backend: int, sample=("0/10", "0/10"), error=None, hang=False):
+    def __init__(self, backend: int, sample=("0/10", "0/10"), error=None, hang=False,
+                 backend_error=None):
         self.backend, self.sample, self.error = backend, sample, error
+        self.backend_error = backend_error
         self.release = threading.Event()
         if not hang:
             self.release.set()
@@ -81,6 +83,8 @@ class FakeConnection:
         self.closed = False
 
     def execute(self, query: str, params=None):
+        if self.backend_error:
+            raise self.backend_error
         row = (self.backend,)
         if query == SendLag.QUERY:
             self.entered.set()
@@ -102,6 +106,10 @@ def started(conn: FakeConnection) -> SendLag:
     p = SendLag.__new__(SendLag)
     p.slot, p.interval = "slot", 0.001
     p._begin(conn)
+    # Records the timeout each join is given (Thread instances take attributes).
+    p.joins = []
+    join = p.thread.join
+    p.thread.join = lambda timeout=None: (p.joins.append(timeout), join(timeout))[1]
     return p
 
 
@@ -129,6 +137,7 @@ class StopAndClose(unittest.TestCase):
         self.assertTrue(conn.entered.wait(5))
         with self.assertRaisesRegex(RuntimeError, "did not return within 0.2 s"):
             p.stop(timeout=0.2)
+        self.assertEqual(p.joins, [0.2])
         # The thread is inside execute(): closing the connection under it is what close()
         # must not do. Its backend's CPU is still read.
         self.assertGreaterEqual(p.close(), 0.0)
@@ -144,8 +153,13 @@ class StopAndClose(unittest.TestCase):
         p = started(conn)
         self.assertTrue(conn.entered.wait(5))
         p.stop(raise_error=False, timeout=0.2)  # does not raise
+        self.assertEqual(p.joins, [0.2])
+        # The thread was told to stop: once its query returns it ends, and close() closes.
         conn.release.set()
         p.thread.join(5)
+        self.assertFalse(p.thread.is_alive())
+        p.close()
+        self.assertTrue(conn.closed)
 
     def test_a_failed_query_fails_stop_unless_the_step_failed_first(self):
         boom = RuntimeError("statement timeout")
@@ -162,6 +176,14 @@ class StopAndClose(unittest.TestCase):
                 p.stop(raise_error=False)
             p.close()
             self.assertTrue(conn.closed)
+
+    def test_a_connection_that_fails_at_once_is_closed_and_the_error_raised(self):
+        conn = FakeConnection(os.getpid(), backend_error=RuntimeError("the server went away"))
+        p = SendLag.__new__(SendLag)
+        p.slot, p.interval = "slot", 0.001
+        with self.assertRaisesRegex(RuntimeError, "the server went away"):
+            p._begin(conn)
+        self.assertTrue(conn.closed)
 
     def test_a_backend_that_is_gone_counts_no_cpu_and_the_connection_is_closed(self):
         conn = FakeConnection(gone_pid())
