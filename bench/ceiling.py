@@ -29,6 +29,21 @@ from send_lag import SendLag, verdict
 from steady import load, run_steady
 
 
+def load_window(g: dict, rate: int, launched: float, returned: float) -> tuple[float, float]:
+    """The load's own window from load_gen's summary `g`, on the monotonic clock the send-lag
+    probe's samples are on; `launched` and `returned` bracket load_gen's run on this process's
+    clock. Fails if load_gen inserted nothing, or if the window is not within its run: that
+    catches a load_gen on another clock, not an error of milliseconds."""
+    start, end = g["load_start_monotonic_s"], g["load_end_monotonic_s"]
+    if not g["inserted"]:
+        raise RuntimeError(f"load_gen inserted nothing in the {rate:,}/s step")
+    if not launched < start < end < returned:
+        raise RuntimeError(f"load_gen's load ({start:.3f} to {end:.3f} s) is not within "
+                           f"its run ({launched:.3f} to {returned:.3f} s): not this "
+                           "process's monotonic clock?")
+    return start, end
+
+
 def insert_only(env: Env, rates: list[int]) -> list[dict]:
     """load_gen at each rate into a database nobody streams from, until it falls short."""
     url = env.fresh_db("bench_ceiling_insert")
@@ -101,15 +116,7 @@ def with_recvlogical(env: Env, rates: list[int]) -> list[dict]:
                 probe_cpu = probe.close()
             cpu = proc_cpu_seconds(p.pid) - cpu0
             rows.unlink(missing_ok=True)
-            # The load's own window, on the monotonic clock the probe's samples are on.
-            # The check catches a load_gen on another clock, not an error of milliseconds.
-            start, end = g["load_start_monotonic_s"], g["load_end_monotonic_s"]
-            if not g["inserted"]:
-                raise RuntimeError(f"load_gen inserted nothing in the {rate:,}/s step")
-            if not launched < start < end < returned:
-                raise RuntimeError(f"load_gen's load ({start:.3f} to {end:.3f} s) is not within "
-                                   f"its run ({launched:.3f} to {returned:.3f} s): not this "
-                                   "process's monotonic clock?")
+            start, end = load_window(g, rate, launched, returned)
             lag = verdict(probe.lags_ms(start, end))
             if not lag["lag_samples"]:
                 raise RuntimeError(f"send-lag probe: no sample during the {rate:,}/s step")

@@ -1,5 +1,6 @@
-"""The send-lag arithmetic of bench/send_lag.py, on made-up samples (no servers). Run by .ci/run
-with the benchmark's venv: bench/.venv/bin/python bench/test_send_lag.py"""
+"""The send-lag arithmetic of bench/send_lag.py and bench/ceiling.py's load window, on made-up
+samples (no servers). Run by .ci/run with the benchmark's venv:
+bench/.venv/bin/python bench/test_send_lag.py"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import threading
 import unittest
 
+from ceiling import load_window
 from send_lag import SendLag, lsn, verdict
 
 
@@ -66,6 +68,27 @@ class Lags(unittest.TestCase):
         v = verdict([])
         self.assertEqual(v["lag_samples"], 0)
         self.assertTrue(math.isnan(v["lag_drift_ms"]) and math.isnan(v["lag_p99_ms"]))
+
+
+class LoadWindow(unittest.TestCase):
+    """bench/ceiling.py takes the probe's samples from load_gen's own window."""
+
+    @staticmethod
+    def summary(start: float, end: float, inserted: int = 1000) -> dict:
+        return {"load_start_monotonic_s": start, "load_end_monotonic_s": end,
+                "inserted": inserted}
+
+    def test_a_window_within_the_run_is_the_window(self):
+        self.assertEqual(load_window(self.summary(10.3, 12.3), 5000, 10.0, 12.5), (10.3, 12.3))
+
+    def test_a_window_outside_the_run_is_another_clock(self):
+        for start, end in [(9.9, 12.3), (10.3, 12.6), (1e6, 1e6 + 2), (12.3, 10.3)]:
+            with self.assertRaisesRegex(RuntimeError, "not within its run"):
+                load_window(self.summary(start, end), 5000, 10.0, 12.5)
+
+    def test_a_load_that_inserted_nothing_fails_the_step(self):
+        with self.assertRaisesRegex(RuntimeError, "inserted nothing in the 5,000/s step"):
+            load_window(self.summary(10.3, 12.3, inserted=0), 5000, 10.0, 12.5)
 
 
 class FakeConnection:
@@ -142,11 +165,7 @@ class StopAndClose(unittest.TestCase):
         # must not do. Its backend's CPU is still read.
         self.assertGreaterEqual(p.close(), 0.0)
         self.assertFalse(conn.closed)
-        conn.release.set()
-        p.thread.join(5)
-        self.assertFalse(p.thread.is_alive())
-        p.close()
-        self.assertTrue(conn.closed)
+        self.release_and_close(conn, p)
 
     def test_a_step_that_failed_keeps_its_own_error_over_a_hung_probe(self):
         conn = FakeConnection(os.getpid(), hang=True)
@@ -155,6 +174,10 @@ class StopAndClose(unittest.TestCase):
         p.stop(raise_error=False, timeout=0.2)  # does not raise
         self.assertEqual(p.joins, [0.2])
         # The thread was told to stop: once its query returns it ends, and close() closes.
+        self.release_and_close(conn, p)
+
+    def release_and_close(self, conn: FakeConnection, p: SendLag) -> None:
+        """Lets the hung query return: the thread ends, and close() then closes the connection."""
         conn.release.set()
         p.thread.join(5)
         self.assertFalse(p.thread.is_alive())
