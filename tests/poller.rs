@@ -552,3 +552,54 @@ async fn a_row_without_created_at_becomes_a_dead_letter_in_stream_mode() {
     );
     relay.stop().await;
 }
+
+/// A row the poller has failed many times still gets its next attempt (capped at an hour) and
+/// becomes a dead letter at the limit: at 40 attempts of 10 s, `backoff * 2^attempts` made
+/// before the cap overflowed an interval, the UPDATE failed and rolled back the poller's whole
+/// round, every round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_failed_many_times_still_backs_off_an_hour_and_becomes_a_dead_letter() {
+    let db = TestDb::new("manyattempts").await;
+    let mut c = db.client().await;
+    insert_events(&mut c, "order.placed", 1, 1).await;
+    let id: i64 = c
+        .query_one("SELECT id FROM outbox_events", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let store = outbox_relay::store::Store::new(
+        outbox_relay::pgoutput::TableName::parse("outbox_events").unwrap(),
+    );
+    let backoff = std::time::Duration::from_secs(10);
+    for before in [40, 1_000, 100_000] {
+        c.execute(
+            "UPDATE outbox_events SET attempts = $2 WHERE id = $1",
+            &[&id, &before],
+        )
+        .await
+        .unwrap();
+        // One transaction: now() is the same in the UPDATE and the check.
+        let tx = c.transaction().await.unwrap();
+        let dead = store
+            .mark_failed(&tx, id, "queue refuses", backoff, 200_000)
+            .await
+            .unwrap_or_else(|e| panic!("after {before} attempts: {e}"));
+        assert!(!dead, "after {before} attempts");
+        let row = tx
+            .query_one(
+                "SELECT attempts, extract(epoch FROM next_attempt_at - now())::float8 \
+                 FROM outbox_events WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(row.get::<_, i32>(0), before + 1);
+        assert_eq!(row.get::<_, f64>(1), 3600.0, "after {before} attempts");
+    }
+    // At the limit: a dead letter.
+    assert!(store
+        .mark_failed(&c, id, "queue refuses", backoff, 100_002)
+        .await
+        .unwrap());
+}

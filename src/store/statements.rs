@@ -226,6 +226,11 @@ impl Store {
 
     /// Records a failed attempt: the next one waits `backoff * 2^(attempts-1)` (at most an
     /// hour), and the row becomes a dead letter at `max_attempts`.
+    ///
+    /// The hour is applied to the seconds, before `make_interval`, and the exponent stops at
+    /// 60 (any backoff of 1 ns or more reaches the hour by then): at 40 attempts of 10 s the
+    /// uncapped interval overflowed, the UPDATE failed, and the poller's round with it, every
+    /// round, so the row never became a dead letter and stalled the poller (found by review).
     pub async fn mark_failed(
         &self,
         client: &impl GenericClient,
@@ -236,7 +241,8 @@ impl Store {
     ) -> Result<bool, tokio_postgres::Error> {
         let sql = format!(
             "UPDATE {} SET attempts = attempts + 1, last_error = $2, \
-               next_attempt_at = now() + least(make_interval(secs => $3 * power(2, attempts)), interval '1 hour'), \
+               next_attempt_at = now() + make_interval(secs => \
+                 least($3 * power(2::float8, least(attempts, 60)), 3600)), \
                dead_at = CASE WHEN attempts + 1 >= $4 THEN now() END \
              WHERE id = $1 RETURNING dead_at IS NOT NULL",
             self.table.sql()
