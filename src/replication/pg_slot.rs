@@ -2,6 +2,7 @@
 //! tokio-postgres (the slot's SQL) and pgwire-replication (the stream), and
 //! `ReplicationClient` is the [`ReplicationSource`].
 
+use super::publication::PublicationGone;
 use super::setup;
 use super::source::{ReplicationSource, SlotHolder, SlotPort, SlotState};
 use super::stream::StreamError;
@@ -170,10 +171,10 @@ impl SlotPort for PgSlot {
         Ok(setup::restore_publication(&client, &self.publication, &self.table).await?)
     }
 
-    async fn publication_missing(&self) -> Result<bool, StreamError> {
+    async fn publication_gone(&self) -> Result<Option<PublicationGone>, StreamError> {
         let client = self.primary.as_ref().unwrap_or(&self.pg).connect().await?;
-        let now = super::publication::current(&client, &self.publication).await?;
-        Ok(now.oid.is_none())
+        let checked = setup::check_publication(&client, &self.publication, &self.table).await;
+        Ok(super::publication::gone(checked)?)
     }
 
     async fn recreate(&self) -> Result<Lsn, StreamError> {

@@ -41,6 +41,36 @@ use std::time::Duration;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
+/// How a publication stopped streaming the outbox table's inserts while the relay ran.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PublicationGone {
+    /// It no longer exists.
+    Dropped,
+    /// It exists but leaves the table, its inserts, or some of its rows or columns out (the
+    /// start-up check's refusal, as text): pgoutput then skips those inserts without an error.
+    Altered(String),
+}
+
+/// Classifies the start-up check of the publication for [`PublicationGone`]: `Ok(None)` when
+/// it still streams the table's inserts, `Err` when the check itself failed (no answer, no
+/// right): that is not a verdict on the publication.
+pub fn gone(
+    checked: Result<Option<bool>, SetupError>,
+) -> Result<Option<PublicationGone>, SetupError> {
+    match checked {
+        Ok(Some(_)) => Ok(None),
+        Ok(None) => Ok(Some(PublicationGone::Dropped)),
+        Err(
+            e @ (SetupError::PublicationWithoutInserts { .. }
+            | SetupError::PublicationLacksTable { .. }
+            | SetupError::PublicationNotViaRoot { .. }
+            | SetupError::PublicationColumnList { .. }
+            | SetupError::PublicationRowFilter { .. }),
+        ) => Ok(Some(PublicationGone::Altered(e.to_string()))),
+        Err(e) => Err(e),
+    }
+}
+
 /// Whether a walsender error says that `publication` does not exist in the catalog it decodes
 /// with. SQLSTATE 42704 alone is not enough (a missing slot is 42704 too): the message must
 /// name the publication.
@@ -117,7 +147,10 @@ pub async fn restore<P: SlotPort>(
 /// a missing publication is not created again: the watch returns the error that stops the
 /// stream. From PostgreSQL 18 the walsender skips what it cannot publish instead of failing,
 /// so a stream that went on would acknowledge past events it never sent, and with recovery off
-/// no poller would send them (found by review).
+/// no poller would send them (found by review). The same holds, on every version, for a
+/// publication altered to leave the table, its inserts or some of its rows out: the watch
+/// stops the stream for that too (found by review: it checked only that the publication
+/// existed).
 pub async fn watch<P: SlotPort>(
     port: &P,
     slot: &str,
@@ -136,9 +169,9 @@ pub async fn watch<P: SlotPort>(
         }
         let once = async {
             if restore_missing {
-                restore(port, slot, metrics).await.map(|_| false)
+                restore(port, slot, metrics).await.map(|_| None)
             } else {
-                port.publication_missing().await
+                port.publication_gone().await
             }
         };
         let check = async {
@@ -154,20 +187,45 @@ pub async fn watch<P: SlotPort>(
             _ = stop.cancelled() => return Ok(()),
             r = check => r,
         };
-        if let Ok(Ok(true)) = result {
-            tracing::error!(
-                slot = %slot,
-                publication = %port.publication(),
-                "PUBLICATION WAS DROPPED: OUTBOX_ON_SLOT_LOST=stop, so the relay does not create it \
-                 again and stops; events committed since the drop did not come from the stream \
-                 and wait in the table: deliver them (a poll-mode relay, or `outbox-relay replay`), \
-                 create the publication, then start the relay"
-            );
-            return Err(StreamError::SlotLost {
-                slot: slot.to_owned(),
-                why: "behind a dropped publication (from PostgreSQL 18 it skips what it cannot \
-                      publish)",
-            });
+        match &result {
+            Ok(Ok(Some(PublicationGone::Dropped))) => {
+                tracing::error!(
+                    slot = %slot,
+                    publication = %port.publication(),
+                    "PUBLICATION WAS DROPPED: OUTBOX_ON_SLOT_LOST=stop, so the relay does not \
+                     create it again and stops; events committed since the drop did not come \
+                     from the stream and wait in the table, unpublished: create the publication, \
+                     then deliver them with a poll-mode relay (OUTBOX_MODE=poll; `outbox-relay \
+                     replay` re-sends only published rows), then start the relay"
+                );
+                return Err(StreamError::SlotLost {
+                    slot: slot.to_owned(),
+                    why: "behind a dropped publication (from PostgreSQL 18 it skips what it \
+                          cannot publish)",
+                });
+            }
+            // Silent on every version: the stream would acknowledge past the inserts it is not
+            // sent, and with recovery off nobody would deliver them (found by review).
+            Ok(Ok(Some(PublicationGone::Altered(why)))) => {
+                tracing::error!(
+                    slot = %slot,
+                    publication = %port.publication(),
+                    why = %why,
+                    "PUBLICATION NO LONGER STREAMS THE OUTBOX'S INSERTS: OUTBOX_ON_SLOT_LOST=stop, \
+                     so the relay stops rather than stream on past inserts it is not sent; \
+                     events committed since the change (the slot may be past those of the last \
+                     OUTBOX_HEALTH_INTERVAL already) wait in the table, unpublished: restore the \
+                     publication first, then deliver them with a poll-mode relay \
+                     (OUTBOX_MODE=poll; `outbox-relay replay` re-sends only published rows), \
+                     then start the relay"
+                );
+                return Err(StreamError::SlotLost {
+                    slot: slot.to_owned(),
+                    why: "behind a publication that no longer streams the outbox table's \
+                          inserts (pgoutput skips them without an error)",
+                });
+            }
+            _ => {}
         }
         let problem = match result {
             Ok(Ok(_)) => None,
@@ -195,6 +253,30 @@ pub async fn watch<P: SlotPort>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_publication_that_leaves_the_outbox_out_is_gone_and_a_failed_check_is_not() {
+        assert_eq!(gone(Ok(Some(false))).unwrap(), None);
+        assert_eq!(gone(Ok(Some(true))).unwrap(), None);
+        assert_eq!(gone(Ok(None)).unwrap(), Some(PublicationGone::Dropped));
+        let lacks = SetupError::PublicationLacksTable {
+            publication: "outbox_relay".into(),
+            table: "public.outbox_events".into(),
+        };
+        assert!(matches!(
+            gone(Err(lacks)).unwrap(),
+            Some(PublicationGone::Altered(why)) if why.contains("outbox_events")
+        ));
+        let no_inserts = SetupError::PublicationWithoutInserts {
+            publication: "outbox_relay".into(),
+        };
+        assert!(matches!(
+            gone(Err(no_inserts)).unwrap(),
+            Some(PublicationGone::Altered(_))
+        ));
+        let no_right = SetupError::NoReplicationPrivilege("role r".into());
+        assert!(gone(Err(no_right)).is_err());
+    }
 
     #[test]
     fn only_the_missing_publication_of_the_relay_matches() {

@@ -82,9 +82,9 @@ pub enum SetupError {
         "publication {publication:?} is missing while slot {slot:?} exists, and \
          OUTBOX_ON_SLOT_LOST=stop: the relay does not create it again, because from PostgreSQL 18 \
          the slot would skip the events committed while it was missing (before 18 it cannot \
-         decode past the drop). Those events are in the table: deliver them (OUTBOX_MODE=poll, \
-         or `outbox-relay replay`), create the publication (`outbox-relay migrate`), then start \
-         the relay"
+         decode past the drop). Those events are in the table, unpublished: create the \
+         publication (`outbox-relay migrate`), then deliver them (OUTBOX_MODE=poll; \
+         `outbox-relay replay` re-sends only published rows), then start the relay"
     )]
     PublicationDroppedBehindSlot { publication: String, slot: String },
     #[error(

@@ -3,6 +3,7 @@
 //! opening a connection, and the session holding it). [`super::pg_slot`] implements them with
 //! pgwire-replication and tokio-postgres; the simulation (`crate::sim`) in memory.
 
+use super::publication::PublicationGone;
 use super::stream::StreamError;
 use pgwire_replication::{Lsn, PgWireError, ReplicationEvent};
 use std::future::Future;
@@ -83,11 +84,15 @@ pub trait SlotPort: Send + Sync {
         async { Ok(false) }
     }
 
-    /// Whether the publication is missing now (checked on the primary), without creating it:
-    /// for a relay configured to stop rather than skip events (`OUTBOX_ON_SLOT_LOST=stop`). The
-    /// default: a publication that cannot go missing (the simulation's).
-    fn publication_missing(&self) -> impl Future<Output = Result<bool, StreamError>> + Send {
-        async { Ok(false) }
+    /// Whether the publication no longer streams the outbox table's inserts now (checked on the
+    /// primary), without repairing it: dropped, or altered so that it leaves the table, its
+    /// inserts or some of its rows or columns out. For a relay configured to stop rather than
+    /// skip events (`OUTBOX_ON_SLOT_LOST=stop`). The default: a publication that cannot change
+    /// (the simulation's).
+    fn publication_gone(
+        &self,
+    ) -> impl Future<Output = Result<Option<PublicationGone>, StreamError>> + Send {
+        async { Ok(None) }
     }
 
     /// Drops the slot if it exists and creates it again; returns its new position.

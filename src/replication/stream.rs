@@ -82,8 +82,9 @@ pub enum StreamError {
     #[error(
         "replication slot {slot:?} is {why}; OUTBOX_ON_SLOT_LOST=stop: events the stream cannot \
          send are only in the table now, unpublished. Deliver them before restarting (a relay \
-         with OUTBOX_MODE=poll, or `outbox-relay replay`): a restarted relay has no memory of \
-         this and streams from the slot as it finds it. Or let the relay heal it: \
+         with OUTBOX_MODE=poll; `outbox-relay replay` re-sends only published rows): a \
+         restarted relay has no memory of this and streams from the slot as it finds it. Or let \
+         the relay heal it: \
          OUTBOX_ON_SLOT_LOST=recreate with the recovery poller on"
     )]
     SlotLost { slot: String, why: &'static str },
