@@ -82,8 +82,12 @@ async fn bad_rows_never_stall_the_stream() {
             ('00000000-0000-4000-8000-000000000003', 'too.big', '{{\"x\": \"{}\"}}', '{{}}'),
             ('00000000-0000-4000-8000-000000000004', 'meta.array', '{{}}', '[1]'),
             ('00000000-0000-4000-8000-000000000005', 'meta.number', '{{}}', '{{\"n\": 1}}'),
+            ('00000000-0000-4000-8000-000000000008', 'meta.big', '{{}}', '{{\"k\": \"{}\"}}'),
+            ('00000000-0000-4000-8000-000000000009', '{}', '{{}}', '{{}}'),
             ('00000000-0000-4000-8000-000000000006', 'good', '{{}}', '{{}}');",
-        "y".repeat(2000)
+        "y".repeat(2000),
+        "<".repeat(2000),
+        "n".repeat(2000)
     ))
     .await
     .unwrap();
@@ -107,6 +111,7 @@ async fn bad_rows_never_stall_the_stream() {
     let bad: u64 = [
         "empty_event_name",
         "payload_too_large",
+        "column_too_large",
         "metadata_not_object",
         "metadata_not_string",
     ]
@@ -119,7 +124,7 @@ async fn bad_rows_never_stall_the_stream() {
             .get()
     })
     .sum();
-    assert_eq!(bad, 4);
+    assert_eq!(bad, 6);
     // Delivered rows are marked published (asynchronously); the bad ones stay for the recovery
     // path.
     let unpublished = eventually("delivered rows are marked published", || async {
@@ -131,10 +136,21 @@ async fn bad_rows_never_stall_the_stream() {
             .await
             .unwrap();
         let names: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
-        (names.len() == 4).then_some(names)
+        (names.len() == 6).then_some(names)
     })
     .await;
-    assert_eq!(unpublished, ["", "too.big", "meta.array", "meta.number"]);
+    let long_name = "n".repeat(2000);
+    assert_eq!(
+        unpublished,
+        [
+            "",
+            "too.big",
+            "meta.array",
+            "meta.number",
+            "meta.big",
+            &long_name
+        ]
+    );
     relay.stop().await;
 }
 

@@ -154,6 +154,16 @@ pub enum BadRow {
     InvalidEventId(String),
     #[error("payload is {size} bytes, over the {limit}-byte limit")]
     PayloadTooLarge { size: usize, limit: usize },
+    /// `event_name` or `metadata` longer than the payload's limit: both are copied into the
+    /// task, escaped (up to six bytes a character), so without a bound one row could make a
+    /// task too large for Valkey's `proto-max-bulk-len`, and every write that carried it would
+    /// fail for ever, or exhaust the relay's memory (found by review).
+    #[error("{column} is {size} bytes, over the {limit}-byte limit (OUTBOX_MAX_PAYLOAD_BYTES)")]
+    ColumnTooLarge {
+        column: &'static str,
+        size: usize,
+        limit: usize,
+    },
     #[error("metadata is not a JSON object")]
     MetadataNotObject,
     #[error("metadata value for key {0:?} is not a string (the Go kit decodes map[string]string)")]
@@ -175,6 +185,7 @@ impl BadRow {
             BadRow::EmptyEventName => "empty_event_name",
             BadRow::InvalidEventId(_) => "invalid_event_id",
             BadRow::PayloadTooLarge { .. } => "payload_too_large",
+            BadRow::ColumnTooLarge { .. } => "column_too_large",
             BadRow::MetadataNotObject => "metadata_not_object",
             BadRow::MetadataValueNotString(_) => "metadata_not_string",
             BadRow::Timestamp(_) => "invalid_created_at",
@@ -228,6 +239,18 @@ impl TaskSettings {
                 size: row.payload.len(),
                 limit: self.max_payload_bytes,
             });
+        }
+        for (column, size) in [
+            ("event_name", row.event_name.len()),
+            ("metadata", row.metadata.map_or(0, str::len)),
+        ] {
+            if size > self.max_payload_bytes {
+                return Err(BadRow::ColumnTooLarge {
+                    column,
+                    size,
+                    limit: self.max_payload_bytes,
+                });
+            }
         }
         let id = canonical_uuid(row.event_id)
             .ok_or_else(|| BadRow::InvalidEventId(row.event_id.to_owned()))?;

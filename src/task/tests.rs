@@ -217,6 +217,41 @@ fn bad_rows_are_named() {
         )
         .unwrap_err();
     assert_eq!(err.reason(), "payload_too_large");
+    // The event name and the metadata are bounded the same way (both go into the task).
+    let long_name = "n".repeat(s.max_payload_bytes + 1);
+    let long_metadata = format!(r#"{{"k": "{}"}}"#, "<".repeat(s.max_payload_bytes));
+    for (row, column) in [
+        (
+            RowText {
+                event_name: &long_name,
+                ..ok
+            },
+            "event_name",
+        ),
+        (
+            RowText {
+                metadata: Some(&long_metadata),
+                ..ok
+            },
+            "metadata",
+        ),
+    ] {
+        match s.build(&row, &mut Vec::new()).unwrap_err() {
+            BadRow::ColumnTooLarge { column: c, .. } => assert_eq!(c, column),
+            other => panic!("{column}: {other:?}"),
+        }
+    }
+    // At the limit each is taken.
+    let at_limit = "n".repeat(s.max_payload_bytes);
+    assert!(s
+        .build(
+            &RowText {
+                event_name: &at_limit,
+                ..ok
+            },
+            &mut Vec::new()
+        )
+        .is_ok());
     assert!(
         !err.to_string().contains("xxx"),
         "the payload must not appear in errors"
