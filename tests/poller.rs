@@ -571,7 +571,17 @@ async fn a_row_failed_many_times_still_backs_off_an_hour_and_becomes_a_dead_lett
         outbox_relay::pgoutput::TableName::parse("outbox_events").unwrap(),
     );
     let backoff = std::time::Duration::from_secs(10);
-    for before in [40, 1_000, 100_000] {
+    // Below the cap the delay doubles from the backoff (found by review: only the capped range
+    // was checked, so a wrong exponent or an early cap passed); past it, an hour.
+    for (before, delay) in [
+        (0, 10.0),
+        (1, 20.0),
+        (8, 2560.0),
+        (9, 3600.0),
+        (40, 3600.0),
+        (1_000, 3600.0),
+        (100_000, 3600.0),
+    ] {
         c.execute(
             "UPDATE outbox_events SET attempts = $2 WHERE id = $1",
             &[&id, &before],
@@ -595,7 +605,7 @@ async fn a_row_failed_many_times_still_backs_off_an_hour_and_becomes_a_dead_lett
             .unwrap();
         tx.commit().await.unwrap();
         assert_eq!(row.get::<_, i32>(0), before + 1);
-        assert_eq!(row.get::<_, f64>(1), 3600.0, "after {before} attempts");
+        assert_eq!(row.get::<_, f64>(1), delay, "after {before} attempts");
     }
     // At the limit: a dead letter.
     assert!(store

@@ -227,10 +227,12 @@ impl Store {
     /// Records a failed attempt: the next one waits `backoff * 2^(attempts-1)` (at most an
     /// hour), and the row becomes a dead letter at `max_attempts`.
     ///
-    /// The hour is applied to the seconds, before `make_interval`, and the exponent stops at
-    /// 60 (any backoff of 1 ns or more reaches the hour by then): at 40 attempts of 10 s the
-    /// uncapped interval overflowed, the UPDATE failed, and the poller's round with it, every
-    /// round, so the row never became a dead letter and stalled the poller (found by review).
+    /// The hour is applied to the seconds, before `make_interval`, and the exponent stays in
+    /// 0..=60 (any backoff of 1 ns or more reaches the hour by then; a hand-edited negative
+    /// count underflows no more): at 40 attempts of 10 s the uncapped delay wrapped around
+    /// (`timestamp out of range`; from 100,000 attempts `value out of range: overflow`), the
+    /// UPDATE failed, and the poller's round with it, every round, so the row never became a
+    /// dead letter and stalled the poller (found by review).
     pub async fn mark_failed(
         &self,
         client: &impl GenericClient,
@@ -242,7 +244,7 @@ impl Store {
         let sql = format!(
             "UPDATE {} SET attempts = attempts + 1, last_error = $2, \
                next_attempt_at = now() + make_interval(secs => \
-                 least($3 * power(2::float8, least(attempts, 60)), 3600)), \
+                 least($3 * power(2::float8, greatest(least(attempts, 60), 0)), 3600)), \
                dead_at = CASE WHEN attempts + 1 >= $4 THEN now() END \
              WHERE id = $1 RETURNING dead_at IS NOT NULL",
             self.table.sql()
