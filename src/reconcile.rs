@@ -123,7 +123,11 @@ pub async fn reconcile(args: &ReconcileArgs) -> Result<ReconcileSummary, Operato
         Box::new(retention),
     );
     let sink = match args.yes {
-        true => Some(ValkeySink::connect(args.valkey.target()?).await?),
+        true => Some(
+            ValkeySink::connect(args.valkey.target()?)
+                .await?
+                .waiting_for_replicas(args.valkey.replica_wait()?),
+        ),
         false => None,
     };
     let known = asynq_state::known_queues(&mut conn).await?;

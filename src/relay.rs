@@ -86,6 +86,22 @@ const POOL_EXTRA: usize = 3;
 /// library does (a backstop for a write stuck behind a dead link).
 const WRITE_TIMEOUT_FACTOR: u32 = 3;
 
+/// Whether the relay's slot exists, on the standby with `OUTBOX_REPLICATION_URL`, else on the
+/// primary (`client`).
+async fn slot_exists(client: &tokio_postgres::Client, args: &RunArgs) -> Result<bool, RelayError> {
+    let found = match &args.replication_url {
+        None => setup::slot_info(client, &args.slot).await?,
+        Some(url) => {
+            let standby = standby::target(url)?
+                .with_link_timeout(args.link_timeout)
+                .connect()
+                .await?;
+            setup::slot_info(&standby, &args.slot).await?
+        }
+    };
+    Ok(found.is_some())
+}
+
 /// Checks everything the configured mode needs; in stream mode creates the publication and the
 /// slot when missing.
 pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName), RelayError> {
@@ -102,20 +118,25 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName)
     let sink = connect_sink(args, valkey_target, None).await?;
     refuse_replica(&sink, &args.valkey.display()).await?;
     warn_on_eviction(&sink).await;
-    crate::valkey_durability::warn_if_volatile(&sink.connection()).await;
+    crate::valkey_durability::warn_if_volatile(
+        &sink.connection(),
+        args.valkey.valkey_wait_replicas > 0,
+    )
+    .await;
     if args.mode == Mode::Stream {
         setup::check_wal_level(&client).await?;
         setup::check_replication_privilege(&client).await?;
         // A relay that must never skip events itself does not create a dropped publication
-        // again behind its slot (found by review; the watch applies the same rule while it runs).
-        // With a standby's slot (OUTBOX_REPLICATION_URL) only the running watch applies it.
+        // again behind its slot (found by review; the watch applies the same rule while it runs),
+        // whether the slot is on the primary or on a standby (OUTBOX_REPLICATION_URL; found by
+        // review: that case was left to the running watch, and a restart after the watch's stop
+        // created the publication behind the slot).
         if args.on_slot_lost == OnSlotLost::Stop
-            && args.replication_url.is_none()
             && crate::replication::publication::current(&client, &args.db.publication)
                 .await?
                 .oid
                 .is_none()
-            && setup::slot_info(&client, &args.slot).await?.is_some()
+            && slot_exists(&client, args).await?
         {
             return Err(SetupError::PublicationDroppedBehindSlot {
                 publication: args.db.publication.clone(),
@@ -146,10 +167,12 @@ async fn connect_sink(
     target: crate::valkey::ValkeyTarget,
     stream: Option<String>,
 ) -> Result<ValkeySink, RelayError> {
+    let wait = args.valkey.replica_wait()?;
     match stream {
         Some(stream) => ValkeySink::connect_ordered(target, stream).await,
         None => ValkeySink::connect(target).await,
     }
+    .map(|sink| sink.waiting_for_replicas(wait))
     .map_err(|source| RelayError::Valkey {
         target: args.valkey.display(),
         source,
@@ -477,9 +500,12 @@ pub async fn run(
                         pg,
                         slot: args.slot.clone(),
                         publication: args.db.publication.clone(),
-                        table: args.db.table.clone(),
+                        // As resolved at start: a search path changed since must not make the
+                        // checks and the repair name another table, or none (found by review).
+                        table: table.clone(),
                         primary,
                         buffer_events: REPLICATION_BUFFER_EVENTS,
+                        first_publication: Default::default(),
                     },
                     settings: StreamSettings {
                         slot: args.slot.clone(),

@@ -304,7 +304,9 @@ pub async fn replay(args: &ReplayArgs) -> Result<ReplaySummary, OperatorError> {
             summary.unknown_queues.join(", ")
         )));
     }
-    let sink = ValkeySink::connect(args.valkey.target()?).await?;
+    let sink = ValkeySink::connect(args.valkey.target()?)
+        .await?
+        .waiting_for_replicas(args.valkey.replica_wait()?);
     let mut done = pass(args, &client, &mut conn, Some(&sink)).await?;
     done.unpublished = unpublished;
     done.dead_letters = dead_letters;

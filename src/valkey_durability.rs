@@ -72,7 +72,10 @@ pub async fn check(conn: &ValkeyConnection) -> redis::RedisResult<Vec<Durability
 }
 
 /// Logs a warning for each primary that runs without AOF and without replicas.
-pub async fn warn_if_volatile(conn: &ValkeyConnection) {
+/// With `waits_for_replicas` false, a primary with replicas is also told about (at info level):
+/// they are asynchronous, and a failover may lose the writes the relay counted last (found by
+/// review: such a setup got no word at all).
+pub async fn warn_if_volatile(conn: &ValkeyConnection, waits_for_replicas: bool) {
     let found = match check(conn).await {
         Ok(found) => found,
         Err(e) => {
@@ -87,6 +90,18 @@ pub async fn warn_if_volatile(conn: &ValkeyConnection) {
              tasks written since its last snapshot, and the relay does not send acknowledged \
              events again; enable appendonly, and after a loss run `outbox-relay reconcile \
              --since <time before the restart>` (docs/operations.md, operator commands)"
+        );
+    }
+    if waits_for_replicas {
+        return;
+    }
+    for d in found.iter().filter(|d| d.connected_replicas > 0) {
+        tracing::info!(
+            node = d.node.as_deref().unwrap_or("-"),
+            replicas = d.connected_replicas,
+            "valkey replicates asynchronously: a failover may lose the last writes the relay \
+             counted as delivered; OUTBOX_VALKEY_WAIT_REPLICAS makes each write wait for \
+             replicas (one server or sentinels)"
         );
     }
 }

@@ -508,3 +508,117 @@ async fn bad_rows_become_dead_letters_while_everything_else_flows() {
     assert!(v.ok(), "{v}");
     relay.stop().await;
 }
+
+/// `connected_slaves` in the primary's INFO replication.
+async fn connected_replicas(primary: &Redis) -> i64 {
+    let info: String = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(&mut primary.conn().await)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.trim().strip_prefix("connected_slaves:"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Rows of `event_name` not yet marked published.
+async fn unpublished(db: &TestDb, event_name: &str) -> i64 {
+    db.client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM outbox_events WHERE event_name = $1 AND published_at IS NULL",
+            &[&event_name],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// With `OUTBOX_VALKEY_WAIT_REPLICAS` a write counts only once enough replicas acknowledged it
+/// (Valkey's WAIT): the primary's answer alone may be lost with it in a failover, after the
+/// relay acknowledged the WAL past its tasks (found by review: nothing waited for a replica).
+/// Here the replica leaves while rows are written: their tasks land on the primary, but the
+/// writes fail and are sent again, and nothing is marked published (nor acknowledged) until the
+/// replica is back and has them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_no_replica_acknowledged_is_not_counted_until_one_does() {
+    let db = TestDb::new("wait_replicas").await;
+    let primary = Redis::start();
+    let replica = Redis::start();
+    // redis://127.0.0.1:<port>/0
+    let port = primary
+        .url
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.split('/').next())
+        .unwrap()
+        .to_owned();
+    let follow = |on: bool| {
+        let replica = &replica;
+        let port = port.clone();
+        async move {
+            let mut cmd = redis::cmd("REPLICAOF");
+            match on {
+                true => cmd.arg("127.0.0.1").arg(port),
+                false => cmd.arg("NO").arg("ONE"),
+            };
+            cmd.query_async::<()>(&mut replica.conn().await)
+                .await
+                .unwrap();
+        }
+    };
+    follow(true).await;
+    eventually("the replica follows the primary", || async {
+        (connected_replicas(&primary).await == 1).then_some(())
+    })
+    .await;
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &primary.url,
+        &[
+            "--valkey-wait-replicas",
+            "1",
+            "--valkey-wait-timeout",
+            "200ms",
+            "--recovery-grace",
+            "1h",
+        ],
+    ))
+    .await;
+    let mut c = db.client().await;
+    insert_events(&mut c, "acked", 3, 3).await;
+    wait_pending(&primary, "default", 3).await;
+    eventually("acknowledged writes are marked published", || async {
+        (unpublished(&db, "acked").await == 0).then_some(())
+    })
+    .await;
+
+    follow(false).await;
+    eventually("the primary has no replica", || async {
+        (connected_replicas(&primary).await == 0).then_some(())
+    })
+    .await;
+    let failed_before = relay.metrics.write_errors.get();
+    let held = insert_events(&mut c, "unacked", 3, 3).await;
+    let pending = wait_pending(&primary, "default", 6).await;
+    assert!(held.iter().all(|id| pending.contains(id)));
+    eventually("the writes no replica acknowledged fail, again", || async {
+        (relay.metrics.write_errors.get() >= failed_before + 2).then_some(())
+    })
+    .await;
+    assert_eq!(
+        unpublished(&db, "unacked").await,
+        3,
+        "rows marked published with no replica holding their tasks"
+    );
+
+    follow(true).await;
+    eventually("once the replica is back, the rows are marked", || async {
+        (unpublished(&db, "unacked").await == 0).then_some(())
+    })
+    .await;
+    let on_replica = wait_pending(&replica, "default", 6).await;
+    assert!(held.iter().all(|id| on_replica.contains(id)));
+    relay.stop().await;
+}

@@ -275,6 +275,10 @@ async fn a_dropped_publication_stops_a_relay_that_must_not_skip_events() {
     )
     .await;
     assert!(err.contains("OUTBOX_ON_SLOT_LOST=stop"), "{err}");
+    assert!(
+        err.contains(outbox_relay::replication::stream::HEALED_BY_RECREATE),
+        "{err}"
+    );
     assert_eq!(
         publication_oid(&admin).await,
         None,
@@ -316,6 +320,170 @@ async fn a_publication_altered_to_leave_the_outbox_out_stops_a_relay_that_must_n
     .await;
     assert!(err.contains("OUTBOX_ON_SLOT_LOST=stop"), "{err}");
     assert!(err.contains("no longer streams"), "{err}");
+    // Recreate mode does not heal this one: the advice says so, and the next test shows what
+    // it does instead.
+    assert!(
+        err.contains(outbox_relay::replication::stream::NOT_HEALED_BY_RECREATE),
+        "{err}"
+    );
+}
+
+/// The same change under a relay in its default mode (`OUTBOX_ON_SLOT_LOST=recreate`, the
+/// recovery poller on): the relay never changes a publication that exists, so it streams on
+/// with nothing sent for the outbox, and the recovery poller delivers the rows committed since
+/// (what [`outbox_relay::replication::stream::NOT_HEALED_BY_RECREATE`] tells an operator).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_altered_under_a_relay_that_may_skip_leaves_its_rows_to_the_poller() {
+    let db = TestDb::new("p_alter_poll").await;
+    let redis = Redis::start();
+    let admin = db.client().await;
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &redis.url,
+        &[
+            "--recovery-grace",
+            "1s",
+            "--poll-interval",
+            "200ms",
+            "--health-interval",
+            "500ms",
+        ],
+    ))
+    .await;
+    let mut c = db.client().await;
+    let first = insert_events(&mut c, "before.alter", 3, 3).await;
+    assert_eq!(wait_pending(&redis, "default", first.len()).await, first);
+
+    admin
+        .batch_execute("ALTER PUBLICATION outbox_relay DROP TABLE outbox_events")
+        .await
+        .unwrap();
+    let rows = insert_events(&mut c, "after.alter", 5, 5).await;
+    let pending = wait_pending(&redis, "default", first.len() + rows.len()).await;
+    assert!(rows.iter().all(|id| pending.contains(id)));
+    eventually("the poller marks the rows published", || async {
+        let left: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (left == 0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        relay.metrics.publication_restored.get(),
+        0,
+        "the relay changed a publication that exists"
+    );
+    relay.stop().await;
+}
+
+/// A bare `OUTBOX_TABLE` is resolved through the search path once, at start; the publication's
+/// checks then name the table as resolved. A search path changed while the relay runs (here for
+/// the database's new sessions, as `ALTER ROLE ... SET search_path` does for a role's) leaves
+/// the bare name resolving to nothing in the checks' new sessions (found by review: each check
+/// named the table as configured, found the publication lacking it, and a relay that must not
+/// skip events stopped, though the publication streamed the outbox as before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_search_path_changed_while_streaming_does_not_stop_a_relay_that_must_not_skip() {
+    let db = TestDb::new("p_search_path").await;
+    let redis = Redis::start();
+    let admin = db.client().await;
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &MUST_NOT_SKIP)).await;
+    let mut c = db.client().await;
+    let first = insert_events(&mut c, "before.search_path", 3, 3).await;
+    assert_eq!(wait_pending(&redis, "default", first.len()).await, first);
+
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} SET search_path = nowhere",
+            db.name
+        ))
+        .await
+        .unwrap();
+    // Six checks (MUST_NOT_SKIP checks every 500 ms): each makes a new session, which sees the
+    // new search path.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let more = insert_events(&mut c, "after.search_path", 3, 3).await;
+    let pending = wait_pending(&redis, "default", first.len() + more.len()).await;
+    assert!(more.iter().all(|id| pending.contains(id)));
+    relay.stop().await;
+}
+
+/// A publication changed and changed back between two checks: pgoutput decodes each insert with
+/// the catalog of its WAL position, so the inserts committed in between are skipped without an
+/// error, and the check after sees a publication that streams the outbox again (found by
+/// review: such a change was not seen at all). The check compares the publication's identity
+/// with the one its first check recorded, and a relay that must not skip events stops. Shown
+/// for the table removed and added back, and from PostgreSQL 18 (before it the stream stops
+/// at the drop itself) for the publication dropped and created again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_changed_and_changed_back_between_two_checks_stops_a_relay_that_must_not_skip(
+) {
+    let db = TestDb::new("p_undone").await;
+    let redis = Redis::start();
+    let admin = db.client().await;
+    let mut changes = vec![(
+        "ALTER PUBLICATION outbox_relay DROP TABLE outbox_events",
+        "ALTER PUBLICATION outbox_relay ADD TABLE outbox_events",
+        "removed from it and added back",
+    )];
+    if server_major(&admin).await >= 18 {
+        changes.push((
+            "DROP PUBLICATION outbox_relay",
+            "CREATE PUBLICATION outbox_relay FOR TABLE outbox_events \
+             WITH (publish = 'insert', publish_via_partition_root = true)",
+            "dropped and created again",
+        ));
+    }
+    for (round, (change, undo, says)) in changes.into_iter().enumerate() {
+        let relay = Relay::start_streaming(run_args(&db, &redis.url, &MUST_NOT_SKIP)).await;
+        let mut c = db.client().await;
+        let before = format!("before.{round}");
+        let first = insert_events(&mut c, &before, 3, 3).await;
+        let pending = wait_pending(&redis, "default", 3 * (round + 1)).await;
+        assert!(first.iter().all(|id| pending.contains(id)));
+        // The first check (at the stream's start) has recorded the publication by now: two
+        // check intervals.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+
+        admin.batch_execute(change).await.unwrap();
+        let gap = format!("gap.{round}");
+        let skipped = insert_events(&mut c, &gap, 5, 5).await;
+        admin.batch_execute(undo).await.unwrap();
+        let err = tokio::time::timeout(PATIENCE, relay.join())
+            .await
+            .expect("the relay went on streaming past the inserts pgoutput skipped")
+            .unwrap_err();
+        let err = outbox_relay::error_chain(&err);
+        // A check that falls between the change and its undo (a few ms) sees the change
+        // itself, and stops the relay as the other tests show.
+        assert!(
+            [
+                "changed between two checks",
+                "no longer streams",
+                "dropped publication"
+            ]
+            .iter()
+            .any(|why| err.contains(why)),
+            "{err}"
+        );
+        let unpublished: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM outbox_events WHERE event_name = $1 \
+                 AND published_at IS NULL",
+                &[&gap],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(unpublished, skipped.len() as i64, "{says}");
+        let pending = wait_pending(&redis, "default", 3 * (round + 1)).await;
+        assert!(skipped.iter().all(|id| !pending.contains(id)), "{says}");
+    }
 }
 
 /// From PostgreSQL 15 a publication may stream only some columns of the table, or only some of

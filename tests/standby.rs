@@ -184,3 +184,56 @@ async fn a_publication_dropped_under_a_standby_stream_heals() {
     );
     relay.stop().await;
 }
+
+/// A relay that must not skip events (`OUTBOX_ON_SLOT_LOST=stop`, no recovery poller) refuses to
+/// start while its publication is missing and its slot exists on the standby, as it does with a
+/// slot on the primary: creating the publication behind the slot would make it skip (from 18)
+/// or fail to decode (before) the inserts committed without it. Found by review: with a
+/// standby's slot the start-up guard was skipped and the start created the publication.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_refuses_a_missing_publication_behind_a_standby_slot_when_it_must_not_skip() {
+    let pair = PgPair::start().await;
+    if pair.major < 16 {
+        println!(
+            "STANDBY-GUARD pg={} skipped (decoding on a standby needs 16+)",
+            pair.major
+        );
+        return;
+    }
+    let db = TestDb::on(&pair.primary.url, "standby_guard", true).await;
+    let standby_db_url = with_db(&pair.standby.url, &db.name);
+    let redis = Redis::start();
+    let args = || {
+        run_args(
+            &db,
+            &redis.url,
+            &[
+                "--replication-url",
+                &standby_db_url,
+                "--recovery",
+                "false",
+                "--on-slot-lost",
+                "stop",
+            ],
+        )
+    };
+    Relay::start_streaming(args()).await.stop().await;
+    assert!(slot_on(&pair.standby.url, &db.slot).await);
+    let admin = db.client().await;
+    admin
+        .batch_execute("DROP PUBLICATION outbox_relay")
+        .await
+        .unwrap();
+    let err = Relay::failure(args()).await;
+    assert!(err.contains("is missing while slot"), "{err}");
+    let missing = admin
+        .query_opt(
+            "SELECT 1 FROM pg_publication WHERE pubname = 'outbox_relay'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .is_none();
+    assert!(missing, "the start created the publication again");
+    println!("STANDBY-GUARD pg={} refused", pair.major);
+}

@@ -153,6 +153,7 @@ impl RunArgs {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.db.target()?;
         self.valkey.target()?;
+        self.valkey.replica_wait()?;
         // A recreated slot starts after the events committed while it was gone: only the
         // recovery poller can deliver those, so recreating without it would lose them.
         if self.mode == Mode::Stream && !self.recovery && self.on_slot_lost == OnSlotLost::Recreate

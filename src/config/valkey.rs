@@ -4,6 +4,7 @@
 use super::parse::parse_positive_duration;
 use super::secret::{redact_url, Secret};
 use super::ConfigError;
+use crate::sink::valkey::ReplicaWait;
 use crate::valkey::{split_urls, Topology, ValkeyTarget};
 use clap::Args;
 use std::path::{Path, PathBuf};
@@ -47,6 +48,14 @@ pub struct ValkeyArgs {
     /// How long one Valkey command may take before it counts as failed.
     #[arg(long, env = "OUTBOX_VALKEY_TIMEOUT", default_value = "5s", value_parser = parse_positive_duration)]
     pub valkey_timeout: Duration,
+    /// Replicas that must acknowledge each write (Valkey's WAIT) before the relay counts its
+    /// tasks delivered; 0 trusts the primary's answer. One server or sentinels, not a cluster.
+    #[arg(long, env = "OUTBOX_VALKEY_WAIT_REPLICAS", default_value_t = 0)]
+    pub valkey_wait_replicas: u32,
+    /// How long a write waits for those replicas; fewer in time fails the write, which is sent
+    /// again. Less than OUTBOX_VALKEY_TIMEOUT.
+    #[arg(long, env = "OUTBOX_VALKEY_WAIT_TIMEOUT", default_value = "1s", value_parser = parse_positive_duration)]
+    pub valkey_wait_timeout: Duration,
     /// Valkey/Redis Cluster: the URLs (comma-separated) are seed nodes; one reachable node is
     /// enough to find the others.
     #[arg(long, env = "OUTBOX_VALKEY_CLUSTER", default_value_t = false, action = clap::ArgAction::Set)]
@@ -139,6 +148,37 @@ impl ValkeyArgs {
         let certs = self.tls_certificates()?;
         ValkeyTarget::new(&self.url(), &self.topology(), self.valkey_timeout, certs)
             .map_err(|reason| ConfigError::Invalid { setting, reason })
+    }
+
+    /// The replicas each write must reach (`None` with OUTBOX_VALKEY_WAIT_REPLICAS=0).
+    pub fn replica_wait(&self) -> Result<Option<ReplicaWait>, ConfigError> {
+        if self.valkey_wait_replicas == 0 {
+            return Ok(None);
+        }
+        if self.valkey_cluster {
+            // A cluster's pipelines go to each queue's shard, and WAIT (no key) would reach
+            // some node, not the shards written.
+            return Err(ConfigError::Invalid {
+                setting: "OUTBOX_VALKEY_WAIT_REPLICAS".into(),
+                reason: "not supported with OUTBOX_VALKEY_CLUSTER: use min-replicas-to-write on \
+                         the shards"
+                    .into(),
+            });
+        }
+        if self.valkey_wait_timeout >= self.valkey_timeout {
+            return Err(ConfigError::Invalid {
+                setting: "OUTBOX_VALKEY_WAIT_TIMEOUT".into(),
+                reason: format!(
+                    "{:?} is not less than OUTBOX_VALKEY_TIMEOUT ({:?}): the write would time \
+                     out before WAIT answers",
+                    self.valkey_wait_timeout, self.valkey_timeout
+                ),
+            });
+        }
+        Ok(Some(ReplicaWait {
+            replicas: self.valkey_wait_replicas,
+            timeout: self.valkey_wait_timeout,
+        }))
     }
 
     /// OUTBOX_VALKEY_URL, or the contents of OUTBOX_VALKEY_URL_FILE.
@@ -257,6 +297,8 @@ mod tests {
             valkey_password_file: None,
             valkey_db: db,
             valkey_timeout: Duration::from_secs(1),
+            valkey_wait_replicas: 0,
+            valkey_wait_timeout: Duration::from_millis(500),
             valkey_cluster: false,
             valkey_sentinel_master: None,
             valkey_sentinel_password: None,
@@ -265,6 +307,27 @@ mod tests {
             valkey_client_cert_file: None,
             valkey_client_key_file: None,
         }
+    }
+
+    #[test]
+    fn a_replica_wait_is_refused_on_a_cluster_and_past_the_valkey_timeout() {
+        let mut args = kit("localhost:6379", None, 0);
+        assert_eq!(args.replica_wait().unwrap(), None);
+        args.valkey_wait_replicas = 1;
+        assert_eq!(
+            args.replica_wait().unwrap(),
+            Some(ReplicaWait {
+                replicas: 1,
+                timeout: Duration::from_millis(500)
+            })
+        );
+        args.valkey_wait_timeout = Duration::from_secs(1);
+        let err = args.replica_wait().unwrap_err().to_string();
+        assert!(err.contains("OUTBOX_VALKEY_WAIT_TIMEOUT"), "{err}");
+        args.valkey_wait_timeout = Duration::from_millis(500);
+        args.valkey_cluster = true;
+        let err = args.replica_wait().unwrap_err().to_string();
+        assert!(err.contains("OUTBOX_VALKEY_WAIT_REPLICAS"), "{err}");
     }
 
     fn url(urls: &str) -> Option<Secret> {

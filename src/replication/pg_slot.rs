@@ -115,6 +115,9 @@ pub struct PgSlot {
     pub primary: Option<PgTarget>,
     /// Events buffered between the socket reader and the session.
     pub buffer_events: usize,
+    /// The publication's identity as [`SlotPort::publication_gone`] first found it (see
+    /// [`super::publication::changed`]).
+    pub first_publication: std::sync::Mutex<Option<super::publication::PublicationIdentity>>,
 }
 
 impl PgSlot {
@@ -174,7 +177,20 @@ impl SlotPort for PgSlot {
     async fn publication_gone(&self) -> Result<Option<PublicationGone>, StreamError> {
         let client = self.primary.as_ref().unwrap_or(&self.pg).connect().await?;
         let checked = setup::check_publication(&client, &self.publication, &self.table).await;
-        Ok(super::publication::gone(checked)?)
+        if let Some(gone) = super::publication::gone(checked)? {
+            return Ok(Some(gone));
+        }
+        let Some(now) =
+            setup::publication_identity(&client, &self.publication, &self.table).await?
+        else {
+            // Dropped between the two queries.
+            return Ok(Some(PublicationGone::Dropped));
+        };
+        let mut first = self
+            .first_publication
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        Ok(super::publication::changed(&mut first, now))
     }
 
     async fn recreate(&self) -> Result<Lsn, StreamError> {

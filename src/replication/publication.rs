@@ -33,7 +33,7 @@
 
 use super::setup::{self, SetupError, SlotInfo};
 use super::source::SlotPort;
-use super::stream::StreamError;
+use super::stream::{StreamError, HEALED_BY_RECREATE, NOT_HEALED_BY_RECREATE, PUBLICATION_FIRST};
 use crate::error_chain::error_chain;
 use crate::metrics::Metrics;
 use crate::pgoutput::TableName;
@@ -49,6 +49,55 @@ pub enum PublicationGone {
     /// It exists but leaves the table, its inserts, or some of its rows or columns out (the
     /// start-up check's refusal, as text): pgoutput then skips those inserts without an error.
     Altered(String),
+    /// It streams the table's inserts now, but it is not the publication the relay first found,
+    /// or the table's membership of it is not (what [`changed`] says): dropped and created
+    /// again, or the table dropped from it and added back, or its options altered, between
+    /// two checks. pgoutput decodes each insert with the catalog of its WAL position and
+    /// skipped those committed in between without an error (found by review: a change undone
+    /// within one `OUTBOX_HEALTH_INTERVAL` was not seen at all).
+    Changed(String),
+}
+
+/// What identifies a publication and the table's membership of it over time: a change undone
+/// between two checks still leaves a new identity (a new oid for a publication or membership
+/// created again, a new `xmin` for a publication whose options were altered).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublicationIdentity {
+    /// `pg_publication.oid`.
+    pub oid: u32,
+    /// `pg_publication.xmin`, as text: the transaction that created or last altered the row.
+    pub xmin: String,
+    /// The `pg_publication_rel` row that adds the table, or the `pg_publication_namespace` row
+    /// that adds its schema (PostgreSQL 15+); `None` for `FOR ALL TABLES`.
+    pub member: Option<u32>,
+}
+
+/// Compares `now` with the identity the first check recorded in `first` (recording it when
+/// there is none yet): `Some` when the publication or the table's membership changed since.
+/// PURE.
+pub fn changed(
+    first: &mut Option<PublicationIdentity>,
+    now: PublicationIdentity,
+) -> Option<PublicationGone> {
+    let Some(was) = first else {
+        *first = Some(now);
+        return None;
+    };
+    if *was == now {
+        return None;
+    }
+    let what = if was.oid != now.oid {
+        "dropped and created again"
+    } else if was.member != now.member {
+        "the outbox table (or its schema) removed from it and added back"
+    } else {
+        "altered (its options, owner or name changed)"
+    };
+    Some(PublicationGone::Changed(format!(
+        "{what} since the relay's first check (oid {} xmin {} member {:?}, now oid {} xmin {} \
+         member {:?})",
+        was.oid, was.xmin, was.member, now.oid, now.xmin, now.member
+    )))
 }
 
 /// Classifies the start-up check of the publication for [`PublicationGone`]: `Ok(None)` when
@@ -161,12 +210,20 @@ pub async fn watch<P: SlotPort>(
     stop: CancellationToken,
 ) -> Result<(), StreamError> {
     let mut reported: Option<String> = None;
+    // A relay that must not skip checks at once: the first check records the publication's
+    // identity (see [`PublicationGone::Changed`]), and a change made before it is not seen.
+    let mut wait = if restore_missing {
+        every
+    } else {
+        Duration::ZERO
+    };
     loop {
         tokio::select! {
             biased;
             _ = stop.cancelled() => return Ok(()),
-            _ = tokio::time::sleep(every) => {}
+            _ = tokio::time::sleep(wait) => {}
         }
+        wait = every;
         let once = async {
             if restore_missing {
                 restore(port, slot, metrics).await.map(|_| None)
@@ -194,14 +251,15 @@ pub async fn watch<P: SlotPort>(
                     publication = %port.publication(),
                     "PUBLICATION WAS DROPPED: OUTBOX_ON_SLOT_LOST=stop, so the relay does not \
                      create it again and stops; events committed since the drop did not come \
-                     from the stream and wait in the table, unpublished: create the publication, \
-                     then deliver them with a poll-mode relay (OUTBOX_MODE=poll; `outbox-relay \
-                     replay` re-sends only published rows), then start the relay"
+                     from the stream and wait in the table, unpublished (the error says how to \
+                     deliver them)"
                 );
                 return Err(StreamError::SlotLost {
                     slot: slot.to_owned(),
                     why: "behind a dropped publication (from PostgreSQL 18 it skips what it \
                           cannot publish)",
+                    first: PUBLICATION_FIRST,
+                    instead: HEALED_BY_RECREATE,
                 });
             }
             // Silent on every version: the stream would acknowledge past the inserts it is not
@@ -214,15 +272,36 @@ pub async fn watch<P: SlotPort>(
                     "PUBLICATION NO LONGER STREAMS THE OUTBOX'S INSERTS: OUTBOX_ON_SLOT_LOST=stop, \
                      so the relay stops rather than stream on past inserts it is not sent; \
                      events committed since the change (the slot may be past those of the last \
-                     OUTBOX_HEALTH_INTERVAL already) wait in the table, unpublished: restore the \
-                     publication first, then deliver them with a poll-mode relay \
-                     (OUTBOX_MODE=poll; `outbox-relay replay` re-sends only published rows), \
-                     then start the relay"
+                     OUTBOX_HEALTH_INTERVAL already) wait in the table, unpublished (the error \
+                     says how to deliver them)"
                 );
                 return Err(StreamError::SlotLost {
                     slot: slot.to_owned(),
                     why: "behind a publication that no longer streams the outbox table's \
                           inserts (pgoutput skips them without an error)",
+                    first: "Restore the publication first (the outbox table's inserts, every \
+                            column and row). ",
+                    instead: NOT_HEALED_BY_RECREATE,
+                });
+            }
+            Ok(Ok(Some(PublicationGone::Changed(why)))) => {
+                tracing::error!(
+                    slot = %slot,
+                    publication = %port.publication(),
+                    why = %why,
+                    "PUBLICATION CHANGED WHILE THE RELAY RAN: OUTBOX_ON_SLOT_LOST=stop, so the \
+                     relay stops; it streams the outbox's inserts now, but pgoutput skipped, \
+                     without an error, those committed while it did not; they wait in the \
+                     table, unpublished (the error says how to deliver them)"
+                );
+                return Err(StreamError::SlotLost {
+                    slot: slot.to_owned(),
+                    why: "behind a publication that changed between two checks (dropped and \
+                          created again, the table removed and added back, or altered): \
+                          pgoutput may have skipped inserts committed in between, without an \
+                          error",
+                    first: "",
+                    instead: HEALED_BY_RECREATE,
                 });
             }
             _ => {}
@@ -237,12 +316,21 @@ pub async fn watch<P: SlotPort>(
                 publication = %port.publication(),
                 "the publication check passes again"
             ),
-            (Some(p), last) if last.as_ref() != Some(p) => tracing::warn!(
+            (Some(p), last) if last.as_ref() != Some(p) && restore_missing => tracing::warn!(
                 publication = %port.publication(),
                 error = %p,
                 "could not check or restore the publication: while it is missing or does not \
                  publish the outbox table's inserts, the stream delivers none of them and the \
                  recovery poller does, after OUTBOX_RECOVERY_GRACE"
+            ),
+            // Found by review: the line above promised the recovery poller with it off.
+            (Some(p), last) if last.as_ref() != Some(p) => tracing::warn!(
+                publication = %port.publication(),
+                error = %p,
+                "could not check the publication: the relay streams on, and a change to the \
+                 publication made while the checks fail is seen only by the next check that \
+                 passes, which then stops it (OUTBOX_ON_SLOT_LOST=stop: nobody delivers the \
+                 inserts pgoutput skips until then)"
             ),
             _ => {}
         }
@@ -274,8 +362,68 @@ mod tests {
             gone(Err(no_inserts)).unwrap(),
             Some(PublicationGone::Altered(_))
         ));
+        // Every refusal of the start-up check is a verdict (found by review: only two were
+        // tested, and one left out of the match would have warned and streamed on).
+        let p = || "outbox_relay".to_owned();
+        let t = || "public.outbox_events".to_owned();
+        let refusals = [
+            SetupError::PublicationNotViaRoot {
+                publication: p(),
+                table: t(),
+            },
+            SetupError::PublicationColumnList {
+                publication: p(),
+                table: t(),
+                missing: "metadata".into(),
+            },
+            SetupError::PublicationRowFilter {
+                publication: p(),
+                table: t(),
+                filter: "id > 0".into(),
+            },
+        ];
+        for refusal in refusals {
+            let text = refusal.to_string();
+            assert_eq!(
+                gone(Err(refusal)).unwrap(),
+                Some(PublicationGone::Altered(text))
+            );
+        }
         let no_right = SetupError::NoReplicationPrivilege("role r".into());
         assert!(gone(Err(no_right)).is_err());
+    }
+
+    fn identity(oid: u32, xmin: &str, member: Option<u32>) -> PublicationIdentity {
+        PublicationIdentity {
+            oid,
+            xmin: xmin.into(),
+            member,
+        }
+    }
+
+    #[test]
+    fn the_first_identity_is_recorded_and_any_later_change_is_found() {
+        let mut first = None;
+        assert_eq!(changed(&mut first, identity(10, "700", Some(20))), None);
+        assert_eq!(first, Some(identity(10, "700", Some(20))));
+        assert_eq!(changed(&mut first, identity(10, "700", Some(20))), None);
+        for (now, says) in [
+            (identity(11, "900", Some(21)), "dropped and created again"),
+            (
+                identity(10, "700", Some(22)),
+                "removed from it and added back",
+            ),
+            (identity(10, "700", None), "removed from it and added back"),
+            (identity(10, "901", Some(20)), "altered"),
+        ] {
+            let mut was = first.clone();
+            match changed(&mut was, now) {
+                Some(PublicationGone::Changed(why)) => assert!(why.contains(says), "{why}"),
+                other => panic!("{other:?}"),
+            }
+            // The first identity stays the reference: a change is found at every check after.
+            assert_eq!(was, first);
+        }
     }
 
     #[test]

@@ -82,9 +82,9 @@ pub enum SetupError {
         "publication {publication:?} is missing while slot {slot:?} exists, and \
          OUTBOX_ON_SLOT_LOST=stop: the relay does not create it again, because from PostgreSQL 18 \
          the slot would skip the events committed while it was missing (before 18 it cannot \
-         decode past the drop). Those events are in the table, unpublished: create the \
-         publication (`outbox-relay migrate`), then deliver them (OUTBOX_MODE=poll; \
-         `outbox-relay replay` re-sends only published rows), then start the relay"
+         decode past the drop). Those events are in the table, unpublished. {first}{deliver}",
+        first = crate::replication::stream::PUBLICATION_FIRST,
+        deliver = crate::replication::stream::DELIVER_LEFT_ROWS
     )]
     PublicationDroppedBehindSlot { publication: String, slot: String },
     #[error(
@@ -383,7 +383,9 @@ pub async fn ensure_publication(
         tracing::warn!(
             publication,
             "publication also publishes updates, deletes or truncates: they are ignored, \
-             but cost decoding; `ALTER PUBLICATION ... SET (publish = 'insert')` avoids that"
+             but cost decoding; `ALTER PUBLICATION ... SET (publish = 'insert')` avoids that \
+             (a running relay with OUTBOX_ON_SLOT_LOST=stop stops at any ALTER of its \
+             publication: run it while the relay is stopped)"
         );
     }
     Ok(false)
@@ -517,6 +519,45 @@ pub async fn check_publication(
     }
     check_publication_filters(client, publication, table).await?;
     Ok(Some(others))
+}
+
+/// The publication's identity and the table's membership of it (see
+/// [`super::publication::PublicationIdentity`]); `None` when it does not exist.
+pub async fn publication_identity(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<Option<super::publication::PublicationIdentity>, SetupError> {
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await?
+        .get(0);
+    // A table is in a publication by a pg_publication_rel row, or from 15 by its schema's
+    // pg_publication_namespace row (FOR TABLES IN SCHEMA); FOR ALL TABLES has neither.
+    let schema_member = if version >= 150_000 {
+        "(SELECT n.oid FROM pg_publication_namespace n JOIN pg_class c \
+           ON c.relnamespace = n.pnnspid \
+         WHERE n.pnpubid = p.oid AND c.oid = to_regclass($2)::oid)"
+    } else {
+        "NULL::oid"
+    };
+    let row = client
+        .query_opt(
+            &format!(
+                "SELECT p.oid, p.xmin::text, coalesce( \
+                   (SELECT r.oid FROM pg_publication_rel r \
+                    WHERE r.prpubid = p.oid AND r.prrelid = to_regclass($2)::oid), \
+                   {schema_member}) \
+                 FROM pg_publication p WHERE p.pubname = $1"
+            ),
+            &[&publication, &table.sql()],
+        )
+        .await?;
+    Ok(row.map(|r| super::publication::PublicationIdentity {
+        oid: r.get(0),
+        xmin: r.get(1),
+        member: r.get(2),
+    }))
 }
 
 /// From PostgreSQL 15 a publication may carry a column list or a row filter for the table; the

@@ -60,6 +60,38 @@ const RECONNECT_MAX: Duration = Duration::from_secs(30);
 /// While another session holds the slot, how often a standby looks again (takeover is quick).
 const STANDBY_CHECK: Duration = Duration::from_secs(1);
 
+/// How an operator delivers what a stopped stream left in the table, in the one order that
+/// loses nothing whatever stopped it: what is committed from the restarted stream's start comes
+/// from the stream, and a poll-mode relay started after it takes every row left before. A poll
+/// run before the start misses the rows committed in between when the slot is new (found by
+/// review: the advice was to deliver first, then start).
+pub const DELIVER_LEFT_ROWS: &str =
+    "Then start the relay and, once it streams, deliver them with a relay of OUTBOX_MODE=poll \
+     beside it until `outbox-relay status` shows no unpublished row older than that start \
+     (`outbox-relay replay` re-sends only published rows; a poll run before the start misses \
+     what is committed in between; a restarted relay has no memory of this stop).";
+
+/// What an invalidated slot needs before the relay can stream again.
+pub const SLOT_FIRST: &str = "Drop the slot first (`SELECT pg_drop_replication_slot(...)`): it \
+     cannot stream again, and the relay creates a new one at start. ";
+
+/// What a publication dropped behind the slot needs before the relay can stream again.
+pub const PUBLICATION_FIRST: &str = "Create the publication again first (`outbox-relay \
+     migrate`); before PostgreSQL 18 also drop the slot, which cannot decode past the drop (the \
+     relay creates a new one at start). ";
+
+/// The end of a [`StreamError::SlotLost`] that the relay heals with
+/// `OUTBOX_ON_SLOT_LOST=recreate`: a new slot (or publication), and the poller for the gap.
+pub const HEALED_BY_RECREATE: &str =
+    "Or let the relay heal it: OUTBOX_ON_SLOT_LOST=recreate with the recovery poller on";
+
+/// The end of a [`StreamError::SlotLost`] that no mode heals: the relay never changes a
+/// publication that exists, so with `recreate` only the recovery poller delivers.
+pub const NOT_HEALED_BY_RECREATE: &str =
+    "No mode of the relay restores it (it never changes a publication that exists): with \
+     OUTBOX_ON_SLOT_LOST=recreate and the recovery poller on, the relay reports it and the \
+     poller delivers what the stream is not sent, at the poller's pace, until it is restored";
+
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
     #[error("replication connection failed")]
@@ -81,13 +113,19 @@ pub enum StreamError {
     LinkDead { silent_secs: u64 },
     #[error(
         "replication slot {slot:?} is {why}; OUTBOX_ON_SLOT_LOST=stop: events the stream cannot \
-         send are only in the table now, unpublished. Deliver them before restarting (a relay \
-         with OUTBOX_MODE=poll; `outbox-relay replay` re-sends only published rows): a \
-         restarted relay has no memory of this and streams from the slot as it finds it. Or let \
-         the relay heal it: \
-         OUTBOX_ON_SLOT_LOST=recreate with the recovery poller on"
+         send are only in the table now, unpublished. {first}{deliver} {instead}",
+        deliver = DELIVER_LEFT_ROWS
     )]
-    SlotLost { slot: String, why: &'static str },
+    SlotLost {
+        slot: String,
+        why: &'static str,
+        /// What to repair before the relay can stream again ([`SLOT_FIRST`] and the like), or
+        /// nothing.
+        first: &'static str,
+        /// What a relay that may skip in the stream would do instead ([`HEALED_BY_RECREATE`]
+        /// or [`NOT_HEALED_BY_RECREATE`]).
+        instead: &'static str,
+    },
 }
 
 impl StreamError {
@@ -312,6 +350,19 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         }
     }
 
+    /// Who delivers the events a lost slot or publication kept from the stream, for its log
+    /// line: with `stop` nobody until the operator does (found by review: the line said the
+    /// recovery poller did, with recovery off).
+    fn gap_delivered_by(&self) -> &'static str {
+        match self.settings.on_slot_lost {
+            OnSlotLost::Recreate => "the recovery poller, from the table",
+            OnSlotLost::Stop => {
+                "nobody yet: the relay stops (OUTBOX_ON_SLOT_LOST=stop); its \
+                                 error says how to deliver them"
+            }
+        }
+    }
+
     /// The walsender cannot decode past the publication's drop (see [`publication`]).
     fn publication_dropped(&self, e: &StreamError) -> bool {
         matches!(e, StreamError::Replication(PgWireError::Server(msg))
@@ -326,15 +377,17 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
         tracing::error!(
             slot = %slot,
             publication = %self.port.publication(),
+            delivered_by = self.gap_delivered_by(),
             "PUBLICATION DROPPED BEHIND THE SLOT: the slot decodes with the catalog of its WAL \
              position and cannot see a publication created later; events committed since its \
-             confirmed position cannot come from the stream, the recovery poller delivers them \
-             from the table"
+             confirmed position cannot come from the stream"
         );
         if self.settings.on_slot_lost == OnSlotLost::Stop {
             return Err(StreamError::SlotLost {
                 slot: slot.clone(),
                 why: "behind a dropped publication (it cannot decode past the drop)",
+                first: PUBLICATION_FIRST,
+                instead: HEALED_BY_RECREATE,
             });
         }
         // The publication first, if it is still missing (counted as the watch counts it);
@@ -366,24 +419,27 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
     /// recovery poller delivers those events from the table) or stop, as configured.
     async fn slot_position(&self) -> Result<Lsn, StreamError> {
         let slot = &self.settings.slot;
-        let why = match self.port.state().await? {
+        let (why, first) = match self.port.state().await? {
             SlotState::Ready(lsn) => return Ok(lsn),
-            SlotState::Invalidated => {
-                "invalidated (wal_status = lost: the WAL it needed was removed)"
-            }
-            SlotState::Missing => "missing (dropped)",
+            SlotState::Invalidated => (
+                "invalidated (wal_status = lost: the WAL it needed was removed)",
+                SLOT_FIRST,
+            ),
+            SlotState::Missing => ("missing (dropped)", ""),
         };
         self.metrics.slot_lost.inc();
         tracing::error!(
             slot = %slot,
             why,
-            "REPLICATION SLOT LOST: events committed while it was gone cannot come from the stream; \
-             the recovery poller delivers them from the table"
+            delivered_by = self.gap_delivered_by(),
+            "REPLICATION SLOT LOST: events committed while it was gone cannot come from the stream"
         );
         if self.settings.on_slot_lost == OnSlotLost::Stop {
             return Err(StreamError::SlotLost {
                 slot: slot.clone(),
                 why,
+                first,
+                instead: HEALED_BY_RECREATE,
             });
         }
         self.slot_watch.forget();
@@ -418,6 +474,8 @@ impl<P: SlotPort, S: Sink> Stream<P, S> {
                 slot: self.settings.slot.clone(),
                 why: "ahead of the relay's acknowledgement (recreated or advanced behind its \
                       back): streaming from it would skip the events in between",
+                first: "",
+                instead: HEALED_BY_RECREATE,
             });
         }
         tracing::info!(slot = %self.settings.slot, lsn = %start, "replication stream started");

@@ -120,6 +120,37 @@ pub struct ValkeySink {
     /// The stream's sink only: each queue's calls are fenced in the order they were issued
     /// (see [`OrderChain`]). The pollers' sink has none: its calls carry no token.
     order: Option<OrderChain>,
+    /// Replicas each write must reach before it counts (`OUTBOX_VALKEY_WAIT_REPLICAS`).
+    wait: Option<ReplicaWait>,
+}
+
+/// Valkey's `WAIT replicas timeout` after each write: a write counts only once that many
+/// replicas acknowledged it. Valkey replicates asynchronously, so a primary that fails right
+/// after answering may take the write with it, while the relay has acknowledged the WAL past it
+/// and marked its rows published (docs/design.md, "What a failover can lose"). With a wait, a
+/// write fewer replicas acknowledged fails and is sent again (the TaskIDs dedupe), so a
+/// promoted replica that acknowledged holds every task the relay counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaWait {
+    pub replicas: u32,
+    pub timeout: std::time::Duration,
+}
+
+impl ReplicaWait {
+    /// The failure of a write that `acked` replicas acknowledged, if fewer than wanted.
+    pub fn check(&self, acked: i64) -> Result<(), redis::RedisError> {
+        if acked >= i64::from(self.replicas) {
+            return Ok(());
+        }
+        Err(redis::RedisError::from((
+            redis::ErrorKind::Client,
+            "too few replicas acknowledged the write (WAIT; OUTBOX_VALKEY_WAIT_REPLICAS)",
+            format!(
+                "{acked} of {} within {:?}: sent again",
+                self.replicas, self.timeout
+            ),
+        )))
+    }
 }
 
 impl std::fmt::Debug for ValkeySink {
@@ -266,9 +297,18 @@ impl ValkeySink {
             turns: QueueTurns::default(),
             script_missing: Arc::default(),
             order,
+            wait: None,
         };
         sink.load_script().await?;
         Ok(sink)
+    }
+
+    /// Each write then counts only once `wait` asks it reached enough replicas (see
+    /// [`ReplicaWait`]); `None` trusts the primary's answer. One server or sentinels: a
+    /// cluster's configuration refuses it.
+    pub fn waiting_for_replicas(mut self, wait: Option<ReplicaWait>) -> Self {
+        self.wait = wait;
+        self
     }
 
     /// The connection, for checks and inspection.
@@ -423,6 +463,11 @@ impl ValkeySink {
                 pipe.cmd("SADD").arg(QUEUES_KEY).arg(*q);
                 calls.push(self.add_scripts(&mut pipe, batch, q, tasks, links, &now_ns));
             }
+            // Last, on the same connection: it waits for everything written before it.
+            if let Some(wait) = &self.wait {
+                let ms = u64::try_from(wait.timeout.as_millis()).unwrap_or(u64::MAX);
+                pipe.cmd("WAIT").arg(wait.replicas).arg(ms.max(1));
+            }
             let replies: Vec<Value> = pipe.query_async(&mut self.conn.clone()).await?;
             let mut replies = replies.into_iter();
             for c in &calls {
@@ -430,6 +475,12 @@ impl ValkeySink {
                     sadd.extract_error()?;
                 }
                 settle(c, replies.by_ref().take(c.chunks.len()), &mut out)?;
+            }
+            if let Some(wait) = &self.wait {
+                let acked = replies.next().ok_or_else(|| {
+                    redis::RedisError::from((redis::ErrorKind::Parse, "no reply to WAIT"))
+                })?;
+                wait.check(redis::from_redis_value::<i64>(acked.extract_error()?)?)?;
             }
             out.rejected.sort_by_key(|r| r.index);
             return Ok(out);
@@ -578,7 +629,22 @@ impl Sink for ValkeySink {
 
 #[cfg(test)]
 mod tests {
-    use super::{refusal, Refusal};
+    use super::{refusal, Refusal, ReplicaWait};
+
+    #[test]
+    fn a_write_fewer_replicas_acknowledged_fails_and_is_retried() {
+        let wait = ReplicaWait {
+            replicas: 2,
+            timeout: std::time::Duration::from_millis(500),
+        };
+        assert!(wait.check(2).is_ok());
+        assert!(wait.check(3).is_ok());
+        let short = wait.check(1).unwrap_err();
+        assert!(short.to_string().contains("1 of 2"), "{short}");
+        // Sent again on the same connection: nothing to reset, and not a refusal of the tasks.
+        assert!(!short.is_io_error() && !short.is_timeout());
+        assert_eq!(refusal(&short), Refusal::Retry);
+    }
 
     /// The error a server's reply `resp` (one RESP error line) carries.
     fn reply(resp: &str) -> redis::RedisError {
