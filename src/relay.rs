@@ -35,6 +35,17 @@ pub enum RelayError {
     Postgres(#[from] PgError),
     #[error(transparent)]
     Setup(#[from] SetupError),
+    #[error(
+        "Valkey at {target} refused the replica wait's probe (SET {key} and WAIT, which \
+         OUTBOX_VALKEY_WAIT_REPLICAS needs): allow them to the relay's user (`+set +wait`), or \
+         set OUTBOX_VALKEY_WAIT_REPLICAS=0",
+        key = crate::sink::valkey::WAIT_MARK_KEY
+    )]
+    WaitRefused {
+        target: String,
+        #[source]
+        source: SinkError,
+    },
     #[error("cannot reach Valkey at {target}: check OUTBOX_VALKEY_URL (or VALKEY_ADDR) and that Valkey is running")]
     Valkey {
         target: String,
@@ -118,6 +129,7 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName)
     let sink = connect_sink(args, valkey_target, None).await?;
     refuse_replica(&sink, &args.valkey.display()).await?;
     warn_on_eviction(&sink).await;
+    check_replica_wait(&sink, args).await?;
     crate::valkey_durability::warn_if_volatile(
         &sink.connection(),
         args.valkey.valkey_wait_replicas > 0,
@@ -177,6 +189,30 @@ async fn connect_sink(
         target: args.valkey.display(),
         source,
     })
+}
+
+/// With `OUTBOX_VALKEY_WAIT_REPLICAS`: refuses a user that may not run the wait (found by
+/// review: every write failed on NOPERM and was sent again, for ever), and warns while fewer
+/// replicas than asked for are connected (every write then fails until enough are).
+async fn check_replica_wait(sink: &ValkeySink, args: &RunArgs) -> Result<(), RelayError> {
+    let connected = sink
+        .check_wait()
+        .await
+        .map_err(|source| RelayError::WaitRefused {
+            target: args.valkey.display(),
+            source,
+        })?;
+    let wanted = i64::from(args.valkey.valkey_wait_replicas);
+    if let Some(connected) = connected.filter(|c| *c < wanted) {
+        tracing::warn!(
+            connected,
+            wanted,
+            "fewer Valkey replicas are connected than OUTBOX_VALKEY_WAIT_REPLICAS asks for: \
+             every write fails and is sent again until enough are (rows stay unpublished, the \
+             WAL unacknowledged)"
+        );
+    }
+    Ok(())
 }
 
 /// The stream's name in the queues' order keys (`src/sink/order_chain.rs`): the Postgres

@@ -133,3 +133,24 @@ async fn key_patterns_without_the_order_key_refuse_the_stream_and_not_the_poller
     assert_eq!(wait_pending(&redis, "default", 10).await, ids);
     relay.stop().await;
 }
+
+/// With `OUTBOX_VALKEY_WAIT_REPLICAS` every write also sets the wait's mark and runs WAIT: a
+/// user allowed only the documented commands would have every write refused and sent again,
+/// for ever (found by review). `run` refuses to start instead, naming what to add; with them
+/// added it starts (no replica here: WAIT 0 at start answers at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_wait_without_set_and_wait_in_the_acl_is_refused_at_start() {
+    let db = TestDb::new("acl_wait").await;
+    let redis = Redis::start();
+    let wait = ["--valkey-wait-replicas", "1", "--recovery-grace", "1h"];
+    let acl_url = acl_user(&redis, RELAY_COMMANDS).await;
+    let msg = Relay::failure(run_args(&db, &acl_url, &wait)).await;
+    assert!(msg.contains("+set +wait"), "{msg}");
+    let mut with_wait = RELAY_COMMANDS.to_vec();
+    with_wait.extend(["+set", "+wait"]);
+    let acl_url = acl_user(&redis, &with_wait).await;
+    Relay::start_streaming(run_args(&db, &acl_url, &wait))
+        .await
+        .stop()
+        .await;
+}

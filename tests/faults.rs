@@ -509,7 +509,8 @@ async fn bad_rows_become_dead_letters_while_everything_else_flows() {
     relay.stop().await;
 }
 
-/// `connected_slaves` in the primary's INFO replication.
+/// The replicas the primary's INFO replication lists as `state=online` (synced: only those
+/// count in a WAIT).
 async fn connected_replicas(primary: &Redis) -> i64 {
     let info: String = redis::cmd("INFO")
         .arg("replication")
@@ -517,9 +518,8 @@ async fn connected_replicas(primary: &Redis) -> i64 {
         .await
         .unwrap();
     info.lines()
-        .find_map(|l| l.trim().strip_prefix("connected_slaves:"))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
+        .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+        .count() as i64
 }
 
 /// Rows of `event_name` not yet marked published.
@@ -620,5 +620,114 @@ async fn a_write_no_replica_acknowledged_is_not_counted_until_one_does() {
     .await;
     let on_replica = wait_pending(&replica, "default", 6).await;
     assert!(held.iter().all(|id| on_replica.contains(id)));
+    relay.stop().await;
+}
+
+/// The same wait for the poller, whose writes carry no order token, with the replica connected
+/// but stalled (SIGSTOP: it acknowledges nothing, and the primary still counts it). The poller
+/// writes a task, no replica acknowledges it, and the relay's connections are then killed: on
+/// the new connection the re-sent task already exists, so the pipeline writes nothing of its
+/// own. WAIT's documented contract covers the connection's own writes only, so review found that
+/// such a WAIT may answer at once with the stalled replica counted, and the row be marked with
+/// its task on no replica; each write now sets a mark before its WAIT. Redis 7.0 and Valkey 8.1,
+/// the servers here, wait past any command of the connection (checked by hand: a fresh
+/// connection's `WAIT 1` answers 1 at once, after a read-only EVAL 0), so on them this test
+/// passes with the mark removed too: it shows that the poller's re-sent writes wait, as the
+/// stream's do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poller_re_send_after_a_reconnect_still_waits_for_a_replica() {
+    let db = TestDb::new("wait_resend").await;
+    let primary = Redis::start();
+    let replica = Redis::start();
+    let port = primary
+        .url
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.split('/').next())
+        .unwrap()
+        .to_owned();
+    redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(&port)
+        .query_async::<()>(&mut replica.conn().await)
+        .await
+        .unwrap();
+    eventually("the replica follows the primary", || async {
+        (connected_replicas(&primary).await == 1).then_some(())
+    })
+    .await;
+    let info: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut replica.conn().await)
+        .await
+        .unwrap();
+    let pid = info
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("process_id:"))
+        .unwrap()
+        .to_owned();
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, pid.as_str()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {pid}");
+    };
+    let relay = Relay::start(run_args(
+        &db,
+        &primary.url,
+        &[
+            "--mode",
+            "poll",
+            "--poll-interval",
+            "200ms",
+            "--valkey-wait-replicas",
+            "1",
+            "--valkey-wait-timeout",
+            "200ms",
+        ],
+    ));
+    signal("-STOP");
+    let failed_before = relay.metrics.write_errors.get();
+    let mut c = db.client().await;
+    let held = insert_events(&mut c, "stalled", 1, 1).await;
+    wait_pending(&primary, "default", 1).await;
+    eventually("the write no replica acknowledged fails", || async {
+        (relay.metrics.write_errors.get() > failed_before).then_some(())
+    })
+    .await;
+    // New connections for the relay: its next write re-sends a task that exists.
+    redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .query_async::<i64>(&mut primary.conn().await)
+        .await
+        .unwrap();
+    // Watched without panicking: the replica must get SIGCONT before any assertion.
+    let failed_before = relay.metrics.write_errors.get();
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while relay.metrics.write_errors.get() < failed_before + 2
+        && unpublished(&db, "stalled").await == 1
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let unpublished_now = unpublished(&db, "stalled").await;
+    let failed_again = relay.metrics.write_errors.get() >= failed_before + 2;
+    signal("-CONT");
+    assert_eq!(
+        unpublished_now, 1,
+        "the row was marked published with its task on no replica"
+    );
+    assert!(failed_again, "the re-sent write did not fail");
+    eventually(
+        "once the replica acknowledges, the row is marked",
+        || async { (unpublished(&db, "stalled").await == 0).then_some(()) },
+    )
+    .await;
+    let on_replica = wait_pending(&replica, "default", 1).await;
+    assert_eq!(on_replica, held);
     relay.stop().await;
 }

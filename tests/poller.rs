@@ -574,6 +574,7 @@ async fn a_row_failed_many_times_still_backs_off_an_hour_and_becomes_a_dead_lett
     // Below the cap the delay doubles from the backoff (found by review: only the capped range
     // was checked, so a wrong exponent or an early cap passed); past it, an hour.
     for (before, delay) in [
+        (-2000, 10.0),
         (0, 10.0),
         (1, 20.0),
         (8, 2560.0),

@@ -224,7 +224,9 @@ async fn a_start_refuses_a_missing_publication_behind_a_standby_slot_when_it_mus
         .batch_execute("DROP PUBLICATION outbox_relay")
         .await
         .unwrap();
-    let err = Relay::failure(args()).await;
+    let err = tokio::time::timeout(PATIENCE, Relay::failure(args()))
+        .await
+        .expect("the relay started behind the standby's slot");
     assert!(err.contains("is missing while slot"), "{err}");
     let missing = admin
         .query_opt(

@@ -153,7 +153,28 @@ impl RunArgs {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.db.target()?;
         self.valkey.target()?;
-        self.valkey.replica_wait()?;
+        // WAIT holds the connection: the writes queued on one (the stream's batches in flight,
+        // or the pollers' chunks, each with its WAIT) are answered one after another, and the
+        // last must be before OUTBOX_VALKEY_TIMEOUT, or it times out and everything in flight
+        // is sent again, round after round (found by review).
+        if let Some(wait) = self.valkey.replica_wait()? {
+            let queued = self
+                .max_inflight_batches
+                .max(self.pollers)
+                .saturating_add(1);
+            let queued = u32::try_from(queued).unwrap_or(u32::MAX);
+            if wait.timeout.saturating_mul(queued) >= self.valkey.valkey_timeout {
+                return Err(ConfigError::Invalid {
+                    setting: "OUTBOX_VALKEY_WAIT_TIMEOUT".into(),
+                    reason: format!(
+                        "{queued} writes may wait one after another on a connection \
+                         (OUTBOX_MAX_INFLIGHT_BATCHES or OUTBOX_POLLERS, plus one): {queued} x \
+                         {:?} must be less than OUTBOX_VALKEY_TIMEOUT ({:?})",
+                        wait.timeout, self.valkey.valkey_timeout
+                    ),
+                });
+            }
+        }
         // A recreated slot starts after the events committed while it was gone: only the
         // recovery poller can deliver those, so recreating without it would lose them.
         if self.mode == Mode::Stream && !self.recovery && self.on_slot_lost == OnSlotLost::Recreate
@@ -222,5 +243,37 @@ mod tests {
             panic!("not reconcile")
         };
         assert_eq!(reconcile.task.settings(), defaults);
+    }
+
+    /// The replica wait's default fits the default timeouts; a wait that the writes queued on
+    /// one connection would push past OUTBOX_VALKEY_TIMEOUT is refused before anything
+    /// connects.
+    #[test]
+    fn a_replica_wait_that_queued_writes_push_past_the_valkey_timeout_is_refused() {
+        let run = |extra: &[&str]| {
+            let mut argv = vec!["run", "--database-url=postgres://u@h/d"];
+            argv.extend_from_slice(extra);
+            let Command::Run(run) = parse(&argv) else {
+                panic!("not run")
+            };
+            run.validate()
+        };
+        run(&["--valkey-wait-replicas", "1"]).unwrap();
+        let err = run(&["--valkey-wait-replicas", "1", "--valkey-wait-timeout", "1s"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("5 x 1s"), "{err}");
+        let err = run(&[
+            "--valkey-wait-replicas",
+            "1",
+            "--pollers",
+            "9",
+            "--valkey-timeout",
+            "4s",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("10 x 500ms"), "{err}");
+        run(&["--valkey-wait-timeout", "1s"]).unwrap();
     }
 }

@@ -54,7 +54,7 @@ pub struct ValkeyArgs {
     pub valkey_wait_replicas: u32,
     /// How long a write waits for those replicas; fewer in time fails the write, which is sent
     /// again. Less than OUTBOX_VALKEY_TIMEOUT.
-    #[arg(long, env = "OUTBOX_VALKEY_WAIT_TIMEOUT", default_value = "1s", value_parser = parse_positive_duration)]
+    #[arg(long, env = "OUTBOX_VALKEY_WAIT_TIMEOUT", default_value = "500ms", value_parser = parse_positive_duration)]
     pub valkey_wait_timeout: Duration,
     /// Valkey/Redis Cluster: the URLs (comma-separated) are seed nodes; one reachable node is
     /// enough to find the others.

@@ -300,7 +300,9 @@ pub async fn watch<P: SlotPort>(
                           created again, the table removed and added back, or altered): \
                           pgoutput may have skipped inserts committed in between, without an \
                           error",
-                    first: "",
+                    first: "Before PostgreSQL 18, if the publication was dropped and created \
+                            again, drop the slot first: it cannot decode past the drop (the \
+                            relay creates a new one at start). ",
                     instead: HEALED_BY_RECREATE,
                 });
             }
@@ -327,10 +329,11 @@ pub async fn watch<P: SlotPort>(
             (Some(p), last) if last.as_ref() != Some(p) => tracing::warn!(
                 publication = %port.publication(),
                 error = %p,
-                "could not check the publication: the relay streams on, and a change to the \
-                 publication made while the checks fail is seen only by the next check that \
-                 passes, which then stops it (OUTBOX_ON_SLOT_LOST=stop: nobody delivers the \
-                 inserts pgoutput skips until then)"
+                "could not check the publication: the relay streams on; a change to the \
+                 publication made while the checks fail is seen by the next check that passes, \
+                 which then stops it, unless no check has passed yet in this process (the first \
+                 to pass records the publication as it finds it); OUTBOX_ON_SLOT_LOST=stop: \
+                 nobody delivers the inserts pgoutput skips meanwhile"
             ),
             _ => {}
         }

@@ -136,7 +136,18 @@ pub struct ReplicaWait {
     pub timeout: std::time::Duration,
 }
 
+/// The key [`ReplicaWait`] writes before each WAIT (the time of the write, in ns): a write of
+/// the connection's own that replicates after every task the pipeline found or wrote.
+pub const WAIT_MARK_KEY: &str = "asynq:outbox_relay_wait";
+
 impl ReplicaWait {
+    /// Appends the mark's SET and the WAIT to `pipe`: their two replies come last.
+    pub fn add_to(&self, pipe: &mut redis::Pipeline, now_ns: &str) {
+        let ms = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX);
+        pipe.cmd("SET").arg(WAIT_MARK_KEY).arg(now_ns);
+        pipe.cmd("WAIT").arg(self.replicas).arg(ms.max(1));
+    }
+
     /// The failure of a write that `acked` replicas acknowledged, if fewer than wanted.
     pub fn check(&self, acked: i64) -> Result<(), redis::RedisError> {
         if acked >= i64::from(self.replicas) {
@@ -311,6 +322,26 @@ impl ValkeySink {
         self
     }
 
+    /// With a replica wait: writes the mark and waits for no replica, so that a user the ACL
+    /// denies `SET` or `WAIT` is refused at start, not on every write; returns the replicas
+    /// connected now, `None` without a wait.
+    pub async fn check_wait(&self) -> Result<Option<i64>, SinkError> {
+        let Some(wait) = &self.wait else {
+            return Ok(None);
+        };
+        let probe = ReplicaWait {
+            replicas: 0,
+            timeout: wait.timeout,
+        };
+        let mut pipe = redis::pipe();
+        probe.add_to(&mut pipe, "0");
+        let (_, replicas): ((), i64) = pipe
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(SinkError::Valkey)?;
+        Ok(Some(replicas))
+    }
+
     /// The connection, for checks and inspection.
     pub fn connection(&self) -> ValkeyConnection {
         self.conn.clone()
@@ -463,10 +494,12 @@ impl ValkeySink {
                 pipe.cmd("SADD").arg(QUEUES_KEY).arg(*q);
                 calls.push(self.add_scripts(&mut pipe, batch, q, tasks, links, &now_ns));
             }
-            // Last, on the same connection: it waits for everything written before it.
+            // Last, on the same connection: a write that always replicates, then WAIT for it.
+            // WAIT waits for the connection's own last write only: a pipeline whose tasks all
+            // existed (a poller's re-send) writes nothing, and on a new connection WAIT then
+            // answered at once, with a replica that lacked the tasks (found by review).
             if let Some(wait) = &self.wait {
-                let ms = u64::try_from(wait.timeout.as_millis()).unwrap_or(u64::MAX);
-                pipe.cmd("WAIT").arg(wait.replicas).arg(ms.max(1));
+                wait.add_to(&mut pipe, &now_ns);
             }
             let replies: Vec<Value> = pipe.query_async(&mut self.conn.clone()).await?;
             let mut replies = replies.into_iter();
@@ -477,9 +510,10 @@ impl ValkeySink {
                 settle(c, replies.by_ref().take(c.chunks.len()), &mut out)?;
             }
             if let Some(wait) = &self.wait {
-                let acked = replies.next().ok_or_else(|| {
-                    redis::RedisError::from((redis::ErrorKind::Parse, "no reply to WAIT"))
-                })?;
+                let missing =
+                    || redis::RedisError::from((redis::ErrorKind::Parse, "no reply to WAIT"));
+                replies.next().ok_or_else(missing)?.extract_error()?;
+                let acked = replies.next().ok_or_else(missing)?;
                 wait.check(redis::from_redis_value::<i64>(acked.extract_error()?)?)?;
             }
             out.rejected.sort_by_key(|r| r.index);
