@@ -535,6 +535,37 @@ async fn unpublished(db: &TestDb, event_name: &str) -> i64 {
         .get(0)
 }
 
+/// A primary and a replica that follows it, synced (`state=online`).
+async fn primary_and_replica() -> (Redis, Redis) {
+    let primary = Redis::start();
+    let replica = Redis::start();
+    follow(&replica, Some(&primary)).await;
+    eventually("the replica follows the primary", || async {
+        (connected_replicas(&primary).await == 1).then_some(())
+    })
+    .await;
+    (primary, replica)
+}
+
+/// `REPLICAOF` the primary, or `REPLICAOF NO ONE` with `None`.
+async fn follow(replica: &Redis, primary: Option<&Redis>) {
+    let mut cmd = redis::cmd("REPLICAOF");
+    match primary {
+        // redis://127.0.0.1:<port>/0
+        Some(p) => cmd.arg("127.0.0.1").arg(
+            p.url
+                .rsplit(':')
+                .next()
+                .and_then(|p| p.split('/').next())
+                .unwrap(),
+        ),
+        None => cmd.arg("NO").arg("ONE"),
+    };
+    cmd.query_async::<()>(&mut replica.conn().await)
+        .await
+        .unwrap();
+}
+
 /// With `OUTBOX_VALKEY_WAIT_REPLICAS` a write counts only once enough replicas acknowledged it
 /// (Valkey's WAIT): the primary's answer alone may be lost with it in a failover, after the
 /// relay acknowledged the WAL past its tasks (found by review: nothing waited for a replica).
@@ -544,35 +575,7 @@ async fn unpublished(db: &TestDb, event_name: &str) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_no_replica_acknowledged_is_not_counted_until_one_does() {
     let db = TestDb::new("wait_replicas").await;
-    let primary = Redis::start();
-    let replica = Redis::start();
-    // redis://127.0.0.1:<port>/0
-    let port = primary
-        .url
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.split('/').next())
-        .unwrap()
-        .to_owned();
-    let follow = |on: bool| {
-        let replica = &replica;
-        let port = port.clone();
-        async move {
-            let mut cmd = redis::cmd("REPLICAOF");
-            match on {
-                true => cmd.arg("127.0.0.1").arg(port),
-                false => cmd.arg("NO").arg("ONE"),
-            };
-            cmd.query_async::<()>(&mut replica.conn().await)
-                .await
-                .unwrap();
-        }
-    };
-    follow(true).await;
-    eventually("the replica follows the primary", || async {
-        (connected_replicas(&primary).await == 1).then_some(())
-    })
-    .await;
+    let (primary, replica) = primary_and_replica().await;
     let relay = Relay::start_streaming(run_args(
         &db,
         &primary.url,
@@ -594,7 +597,7 @@ async fn a_write_no_replica_acknowledged_is_not_counted_until_one_does() {
     })
     .await;
 
-    follow(false).await;
+    follow(&replica, None).await;
     eventually("the primary has no replica", || async {
         (connected_replicas(&primary).await == 0).then_some(())
     })
@@ -613,7 +616,7 @@ async fn a_write_no_replica_acknowledged_is_not_counted_until_one_does() {
         "rows marked published with no replica holding their tasks"
     );
 
-    follow(true).await;
+    follow(&replica, Some(&primary)).await;
     eventually("once the replica is back, the rows are marked", || async {
         (unpublished(&db, "unacked").await == 0).then_some(())
     })
@@ -629,33 +632,14 @@ async fn a_write_no_replica_acknowledged_is_not_counted_until_one_does() {
 /// the new connection the re-sent task already exists, so the pipeline writes nothing of its
 /// own. WAIT's documented contract covers the connection's own writes only, so review found that
 /// such a WAIT may answer at once with the stalled replica counted, and the row be marked with
-/// its task on no replica; each write now sets a mark before its WAIT. Redis 7.0 and Valkey 8.1,
-/// the servers here, wait past any command of the connection (checked by hand: a fresh
-/// connection's `WAIT 1` answers 1 at once, after a read-only EVAL 0), so on them this test
-/// passes with the mark removed too: it shows that the poller's re-sent writes wait, as the
-/// stream's do.
+/// its task on no replica; each write now sets a mark before its WAIT. Redis 7.0.15 waits past
+/// any command of the connection (checked by hand: a fresh connection's `WAIT 1` answers 1 at
+/// once, and 0 after a read-only EVAL), so there this test passes with the mark removed too
+/// (tried): it shows that the poller's re-sent writes wait, as the stream's do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poller_re_send_after_a_reconnect_still_waits_for_a_replica() {
     let db = TestDb::new("wait_resend").await;
-    let primary = Redis::start();
-    let replica = Redis::start();
-    let port = primary
-        .url
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.split('/').next())
-        .unwrap()
-        .to_owned();
-    redis::cmd("REPLICAOF")
-        .arg("127.0.0.1")
-        .arg(&port)
-        .query_async::<()>(&mut replica.conn().await)
-        .await
-        .unwrap();
-    eventually("the replica follows the primary", || async {
-        (connected_replicas(&primary).await == 1).then_some(())
-    })
-    .await;
+    let (primary, replica) = primary_and_replica().await;
     let info: String = redis::cmd("INFO")
         .arg("server")
         .query_async(&mut replica.conn().await)
