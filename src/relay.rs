@@ -37,8 +37,9 @@ pub enum RelayError {
     Setup(#[from] SetupError),
     #[error(
         "Valkey at {target} refused the replica wait's probe (SET {key} and WAIT, which \
-         OUTBOX_VALKEY_WAIT_REPLICAS needs): allow them to the relay's user (`+set +wait`), or \
-         set OUTBOX_VALKEY_WAIT_REPLICAS=0",
+         OUTBOX_VALKEY_WAIT_REPLICAS needs): allow them to the relay's user (`+set +wait`, and \
+         the key {key} if its key patterns are narrower than ~asynq:*), or set \
+         OUTBOX_VALKEY_WAIT_REPLICAS=0",
         key = crate::sink::valkey::WAIT_MARK_KEY
     )]
     WaitRefused {
@@ -202,9 +203,10 @@ async fn check_replica_wait(sink: &ValkeySink, args: &RunArgs) -> Result<(), Rel
             target: args.valkey.display(),
             source,
         })?;
-    let wanted = i64::from(args.valkey.valkey_wait_replicas);
+    let wanted = usize::try_from(args.valkey.valkey_wait_replicas).unwrap_or(usize::MAX);
     if let Some(connected) = connected.filter(|c| *c < wanted) {
         tracing::warn!(
+            slot = %args.slot,
             connected,
             wanted,
             "fewer Valkey replicas are connected than OUTBOX_VALKEY_WAIT_REPLICAS asks for: \

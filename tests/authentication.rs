@@ -144,13 +144,21 @@ async fn a_replica_wait_without_set_and_wait_in_the_acl_is_refused_at_start() {
     let redis = Redis::start();
     let wait = ["--valkey-wait-replicas", "1", "--recovery-grace", "1h"];
     let acl_url = acl_user(&redis, RELAY_COMMANDS).await;
-    let msg = Relay::failure(run_args(&db, &acl_url, &wait)).await;
+    let msg = tokio::time::timeout(PATIENCE, Relay::failure(run_args(&db, &acl_url, &wait)))
+        .await
+        .expect("the relay started without SET and WAIT in its ACL");
     assert!(msg.contains("+set +wait"), "{msg}");
     let mut with_wait = RELAY_COMMANDS.to_vec();
-    with_wait.extend(["+set", "+wait"]);
+    with_wait.extend(["+set", "+wait", "+role"]);
     let acl_url = acl_user(&redis, &with_wait).await;
     Relay::start_streaming(run_args(&db, &acl_url, &wait))
         .await
         .stop()
         .await;
+    // No replica here: every write would fail until one is connected, and the start says so.
+    let warned = logged(&db.slot, "fewer Valkey replicas are connected");
+    assert!(
+        warned.iter().any(|l| l.contains("connected=0")),
+        "{warned:?}"
+    );
 }

@@ -589,6 +589,9 @@ async fn a_write_no_replica_acknowledged_is_not_counted_until_one_does() {
         ],
     ))
     .await;
+    // One replica, online: no warning that fewer are connected than asked for.
+    let warned = logged(&db.slot, "fewer Valkey replicas are connected");
+    assert!(warned.is_empty(), "{warned:?}");
     let mut c = db.client().await;
     insert_events(&mut c, "acked", 3, 3).await;
     wait_pending(&primary, "default", 3).await;
@@ -658,6 +661,16 @@ async fn a_poller_re_send_after_a_reconnect_still_waits_for_a_replica() {
             .success();
         assert!(ok, "kill {sig} {pid}");
     };
+    /// Sends SIGCONT when dropped: a panic while the replica is stopped would otherwise leave
+    /// the test hanging in the replica's shutdown (found by review).
+    struct Resume(String);
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("kill")
+                .args(["-CONT", self.0.as_str()])
+                .status();
+        }
+    }
     let relay = Relay::start(run_args(
         &db,
         &primary.url,
@@ -673,6 +686,7 @@ async fn a_poller_re_send_after_a_reconnect_still_waits_for_a_replica() {
         ],
     ));
     signal("-STOP");
+    let resume = Resume(pid.clone());
     let failed_before = relay.metrics.write_errors.get();
     let mut c = db.client().await;
     let held = insert_events(&mut c, "stalled", 1, 1).await;
@@ -700,7 +714,7 @@ async fn a_poller_re_send_after_a_reconnect_still_waits_for_a_replica() {
     }
     let unpublished_now = unpublished(&db, "stalled").await;
     let failed_again = relay.metrics.write_errors.get() >= failed_before + 2;
-    signal("-CONT");
+    drop(resume);
     assert_eq!(
         unpublished_now, 1,
         "the row was marked published with its task on no replica"

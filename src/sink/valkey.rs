@@ -136,6 +136,20 @@ pub struct ReplicaWait {
     pub timeout: std::time::Duration,
 }
 
+/// The replicas a primary's `ROLE` answer lists (`master`, its offset, one entry per replica);
+/// `None` for another answer.
+pub fn replicas_in_role(role: &[Value]) -> Option<usize> {
+    match role {
+        [Value::BulkString(kind), _, Value::Array(replicas)] if kind == b"master" => {
+            Some(replicas.len())
+        }
+        [Value::SimpleString(kind), _, Value::Array(replicas)] if kind == "master" => {
+            Some(replicas.len())
+        }
+        _ => None,
+    }
+}
+
 /// The key [`ReplicaWait`] writes before each WAIT (the time of the write, in ns): a write of
 /// the connection's own that replicates after every task the pipeline found or wrote.
 pub const WAIT_MARK_KEY: &str = "asynq:outbox_relay_wait";
@@ -323,9 +337,11 @@ impl ValkeySink {
     }
 
     /// With a replica wait: writes the mark and waits for no replica, so that a user the ACL
-    /// denies `SET` or `WAIT` is refused at start, not on every write; returns the replicas
-    /// connected now, `None` without a wait.
-    pub async fn check_wait(&self) -> Result<Option<i64>, SinkError> {
+    /// denies `SET` or `WAIT` (or the mark's key) is refused at start, not on every write.
+    /// Returns the replicas connected now, as `ROLE` lists them (`WAIT 0` answers how many
+    /// acknowledged its own write: 0 at once, whatever is connected; found by review), or
+    /// `None` without a wait or when `ROLE` does not answer.
+    pub async fn check_wait(&self) -> Result<Option<usize>, SinkError> {
         let Some(wait) = &self.wait else {
             return Ok(None);
         };
@@ -335,11 +351,13 @@ impl ValkeySink {
         };
         let mut pipe = redis::pipe();
         probe.add_to(&mut pipe, "0");
-        let (_, replicas): ((), i64) = pipe
+        let _: ((), i64) = pipe
             .query_async(&mut self.conn.clone())
             .await
             .map_err(SinkError::Valkey)?;
-        Ok(Some(replicas))
+        let role: redis::RedisResult<Vec<Value>> =
+            redis::cmd("ROLE").query_async(&mut self.conn.clone()).await;
+        Ok(role.ok().and_then(|r| replicas_in_role(&r)))
     }
 
     /// The connection, for checks and inspection.
@@ -664,6 +682,38 @@ impl Sink for ValkeySink {
 #[cfg(test)]
 mod tests {
     use super::{refusal, Refusal, ReplicaWait};
+
+    #[test]
+    fn the_replicas_of_a_primary_are_counted_from_its_role() {
+        use redis::Value;
+        let replica = |port: &str| {
+            Value::Array(vec![
+                Value::BulkString(b"127.0.0.1".to_vec()),
+                Value::BulkString(port.as_bytes().to_vec()),
+                Value::BulkString(b"0".to_vec()),
+            ])
+        };
+        let master = |replicas: Vec<Value>| {
+            vec![
+                Value::BulkString(b"master".to_vec()),
+                Value::Int(10),
+                Value::Array(replicas),
+            ]
+        };
+        assert_eq!(super::replicas_in_role(&master(vec![])), Some(0));
+        assert_eq!(
+            super::replicas_in_role(&master(vec![replica("1"), replica("2")])),
+            Some(2)
+        );
+        let slave = vec![
+            Value::BulkString(b"slave".to_vec()),
+            Value::BulkString(b"127.0.0.1".to_vec()),
+            Value::Int(6379),
+            Value::BulkString(b"connected".to_vec()),
+            Value::Int(10),
+        ];
+        assert_eq!(super::replicas_in_role(&slave), None);
+    }
 
     #[test]
     fn a_write_fewer_replicas_acknowledged_fails_and_is_retried() {
