@@ -635,10 +635,12 @@ async fn a_write_no_replica_acknowledged_is_not_counted_until_one_does() {
 /// the new connection the re-sent task already exists, so the pipeline writes nothing of its
 /// own. WAIT's documented contract covers the connection's own writes only, so review found that
 /// such a WAIT may answer at once with the stalled replica counted, and the row be marked with
-/// its task on no replica; each write now sets a mark before its WAIT. Redis 7.0.15 waits past
-/// any command of the connection (checked by hand: a fresh connection's `WAIT 1` answers 1 at
-/// once, and 0 after a read-only EVAL), so there this test passes with the mark removed too
-/// (tried): it shows that the poller's re-sent writes wait, as the stream's do.
+/// its task on no replica; each write now sets a mark before its WAIT. Checked by hand, the
+/// replica stopped and another client's write behind it: on Valkey 8.1, after a read-only EVAL
+/// on a fresh connection, `WAIT 1` answers 1 at once (with a SET first, 0), and with the mark
+/// removed this test fails there (`scripts/test.sh --valkey`: "the row was marked published
+/// with its task on no replica"); Redis 7.0.15, the suite's default server, answers 0 after
+/// any command of the connection, so with it the test passes with the mark removed too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poller_re_send_after_a_reconnect_still_waits_for_a_replica() {
     let db = TestDb::new("wait_resend").await;
