@@ -5,7 +5,7 @@
 mod common;
 
 use common::checker::{long, order_violations, verify, Load, LoadSpec};
-use common::observed::{wait_for_more_tasks, ObservedRelay};
+use common::observed::{kill, redis_pid, wait_for_more_tasks, ObservedRelay, Resume};
 use common::*;
 use rand::Rng;
 use std::time::Duration;
@@ -522,19 +522,6 @@ async fn connected_replicas(primary: &Redis) -> i64 {
         .count() as i64
 }
 
-/// Rows of `event_name` not yet marked published.
-async fn unpublished(db: &TestDb, event_name: &str) -> i64 {
-    db.client()
-        .await
-        .query_one(
-            "SELECT count(*) FROM outbox_events WHERE event_name = $1 AND published_at IS NULL",
-            &[&event_name],
-        )
-        .await
-        .unwrap()
-        .get(0)
-}
-
 /// A primary and a replica that follows it, synced (`state=online`).
 async fn primary_and_replica() -> (Redis, Redis) {
     let primary = Redis::start();
@@ -596,7 +583,7 @@ async fn a_write_no_replica_acknowledged_is_not_counted_until_one_does() {
     insert_events(&mut c, "acked", 3, 3).await;
     wait_pending(&primary, "default", 3).await;
     eventually("acknowledged writes are marked published", || async {
-        (unpublished(&db, "acked").await == 0).then_some(())
+        (unpublished_named(&c, "acked").await == 0).then_some(())
     })
     .await;
 
@@ -614,14 +601,14 @@ async fn a_write_no_replica_acknowledged_is_not_counted_until_one_does() {
     })
     .await;
     assert_eq!(
-        unpublished(&db, "unacked").await,
+        unpublished_named(&c, "unacked").await,
         3,
         "rows marked published with no replica holding their tasks"
     );
 
     follow(&replica, Some(&primary)).await;
     eventually("once the replica is back, the rows are marked", || async {
-        (unpublished(&db, "unacked").await == 0).then_some(())
+        (unpublished_named(&c, "unacked").await == 0).then_some(())
     })
     .await;
     let on_replica = wait_pending(&replica, "default", 6).await;
@@ -645,34 +632,6 @@ async fn a_write_no_replica_acknowledged_is_not_counted_until_one_does() {
 async fn a_poller_re_send_after_a_reconnect_still_waits_for_a_replica() {
     let db = TestDb::new("wait_resend").await;
     let (primary, replica) = primary_and_replica().await;
-    let info: String = redis::cmd("INFO")
-        .arg("server")
-        .query_async(&mut replica.conn().await)
-        .await
-        .unwrap();
-    let pid = info
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("process_id:"))
-        .unwrap()
-        .to_owned();
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, pid.as_str()])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "kill {sig} {pid}");
-    };
-    /// Sends SIGCONT when dropped: a panic while the replica is stopped would otherwise leave
-    /// the test hanging in the replica's shutdown (found by review).
-    struct Resume(String);
-    impl Drop for Resume {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("kill")
-                .args(["-CONT", self.0.as_str()])
-                .status();
-        }
-    }
     let relay = Relay::start(run_args(
         &db,
         &primary.url,
@@ -687,8 +646,9 @@ async fn a_poller_re_send_after_a_reconnect_still_waits_for_a_replica() {
             "200ms",
         ],
     ));
-    signal("-STOP");
-    let resume = Resume(pid.clone());
+    let pid = redis_pid(&replica);
+    kill("STOP", pid);
+    let resume = Resume(pid);
     let failed_before = relay.metrics.write_errors.get();
     let mut c = db.client().await;
     let held = insert_events(&mut c, "stalled", 1, 1).await;
@@ -709,12 +669,12 @@ async fn a_poller_re_send_after_a_reconnect_still_waits_for_a_replica() {
     let failed_before = relay.metrics.write_errors.get();
     let deadline = tokio::time::Instant::now() + PATIENCE;
     while relay.metrics.write_errors.get() < failed_before + 2
-        && unpublished(&db, "stalled").await == 1
+        && unpublished_named(&c, "stalled").await == 1
         && tokio::time::Instant::now() < deadline
     {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let unpublished_now = unpublished(&db, "stalled").await;
+    let unpublished_now = unpublished_named(&c, "stalled").await;
     let failed_again = relay.metrics.write_errors.get() >= failed_before + 2;
     drop(resume);
     assert_eq!(
@@ -724,7 +684,7 @@ async fn a_poller_re_send_after_a_reconnect_still_waits_for_a_replica() {
     assert!(failed_again, "the re-sent write did not fail");
     eventually(
         "once the replica acknowledges, the row is marked",
-        || async { (unpublished(&db, "stalled").await == 0).then_some(()) },
+        || async { (unpublished_named(&c, "stalled").await == 0).then_some(()) },
     )
     .await;
     let on_replica = wait_pending(&replica, "default", 1).await;

@@ -57,16 +57,8 @@ async fn change_under_a_relay_that_must_not_skip(
         .expect(went_on)
         .unwrap_err()
         .to_string();
-    let unpublished: i64 = admin
-        .query_one(
-            "SELECT count(*) FROM outbox_events WHERE event_name = $1 AND published_at IS NULL",
-            &[&gap],
-        )
-        .await
-        .unwrap()
-        .get(0);
     assert_eq!(
-        unpublished,
+        unpublished_named(&admin, gap).await,
         rows.len() as i64,
         "the rows committed after the change wait in the table"
     );
@@ -361,18 +353,7 @@ async fn a_publication_altered_under_a_relay_that_may_skip_leaves_its_rows_to_th
     let rows = insert_events(&mut c, "after.alter", 5, 5).await;
     let pending = wait_pending(&redis, "default", first.len() + rows.len()).await;
     assert!(rows.iter().all(|id| pending.contains(id)));
-    eventually("the poller marks the rows published", || async {
-        let left: i64 = admin
-            .query_one(
-                "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (left == 0).then_some(())
-    })
-    .await;
+    wait_all_published(&admin).await;
     assert_eq!(
         relay.metrics.publication_restored.get(),
         0,
@@ -471,16 +452,11 @@ async fn a_publication_changed_and_changed_back_between_two_checks_stops_a_relay
             .any(|why| err.contains(why)),
             "{err}"
         );
-        let unpublished: i64 = admin
-            .query_one(
-                "SELECT count(*) FROM outbox_events WHERE event_name = $1 \
-                 AND published_at IS NULL",
-                &[&gap],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        assert_eq!(unpublished, skipped.len() as i64, "{says}");
+        assert_eq!(
+            unpublished_named(&admin, &gap).await,
+            skipped.len() as i64,
+            "{says}"
+        );
         let pending = wait_pending(&redis, "default", 3 * (round + 1)).await;
         assert!(skipped.iter().all(|id| !pending.contains(id)), "{says}");
     }

@@ -58,6 +58,67 @@ pub enum PublicationGone {
     Changed(String),
 }
 
+impl PublicationGone {
+    /// What a relay that must not skip events (`OUTBOX_ON_SLOT_LOST=stop`) logs, and the
+    /// error it stops with.
+    fn stop(&self, slot: &str) -> (&'static str, StreamError) {
+        let (headline, why, first, instead) = match self {
+            PublicationGone::Dropped => (
+                "PUBLICATION WAS DROPPED: OUTBOX_ON_SLOT_LOST=stop, so the relay does not \
+                 create it again and stops; events committed since the drop did not come from \
+                 the stream and wait in the table, unpublished (the error says how to deliver \
+                 them)",
+                "behind a dropped publication (from PostgreSQL 18 it skips what it cannot \
+                 publish)",
+                PUBLICATION_FIRST,
+                HEALED_BY_RECREATE,
+            ),
+            // Silent on every version: the stream would acknowledge past the inserts it is not
+            // sent, and with recovery off nobody would deliver them (found by review).
+            PublicationGone::Altered(_) => (
+                "PUBLICATION NO LONGER STREAMS THE OUTBOX'S INSERTS: OUTBOX_ON_SLOT_LOST=stop, \
+                 so the relay stops rather than stream on past inserts it is not sent; events \
+                 committed since the change (the slot may be past those of the last \
+                 OUTBOX_HEALTH_INTERVAL already) wait in the table, unpublished (the error says \
+                 how to deliver them)",
+                "behind a publication that no longer streams the outbox table's inserts \
+                 (pgoutput skips them without an error)",
+                "Restore the publication first (the outbox table's inserts, every column and \
+                 row). ",
+                NOT_HEALED_BY_RECREATE,
+            ),
+            PublicationGone::Changed(_) => (
+                "PUBLICATION CHANGED WHILE THE RELAY RAN: OUTBOX_ON_SLOT_LOST=stop, so the relay \
+                 stops; it streams the outbox's inserts now, but pgoutput skipped, without an \
+                 error, those committed while it did not; they wait in the table, unpublished \
+                 (the error says how to deliver them)",
+                "behind a publication that changed between two checks (dropped and created \
+                 again, the table removed and added back, or altered): pgoutput may have \
+                 skipped inserts committed in between, without an error",
+                "Before PostgreSQL 18, if the publication was dropped and created again, drop \
+                 the slot first: it cannot decode past the drop (the relay creates a new one at \
+                 start). ",
+                HEALED_BY_RECREATE,
+            ),
+        };
+        let stop = StreamError::SlotLost {
+            slot: slot.to_owned(),
+            why,
+            first,
+            instead,
+        };
+        (headline, stop)
+    }
+
+    /// What the check found, for the log line (nothing more for a dropped publication).
+    fn detail(&self) -> &str {
+        match self {
+            PublicationGone::Dropped => "",
+            PublicationGone::Altered(why) | PublicationGone::Changed(why) => why,
+        }
+    }
+}
+
 /// What identifies a publication and the table's membership of it over time: a change undone
 /// between two checks still leaves a new identity (a new oid for a publication or membership
 /// created again, a new `xmin` for a publication whose options were altered).
@@ -244,69 +305,15 @@ pub async fn watch<P: SlotPort>(
             _ = stop.cancelled() => return Ok(()),
             r = check => r,
         };
-        match &result {
-            Ok(Ok(Some(PublicationGone::Dropped))) => {
-                tracing::error!(
-                    slot = %slot,
-                    publication = %port.publication(),
-                    "PUBLICATION WAS DROPPED: OUTBOX_ON_SLOT_LOST=stop, so the relay does not \
-                     create it again and stops; events committed since the drop did not come \
-                     from the stream and wait in the table, unpublished (the error says how to \
-                     deliver them)"
-                );
-                return Err(StreamError::SlotLost {
-                    slot: slot.to_owned(),
-                    why: "behind a dropped publication (from PostgreSQL 18 it skips what it \
-                          cannot publish)",
-                    first: PUBLICATION_FIRST,
-                    instead: HEALED_BY_RECREATE,
-                });
-            }
-            // Silent on every version: the stream would acknowledge past the inserts it is not
-            // sent, and with recovery off nobody would deliver them (found by review).
-            Ok(Ok(Some(PublicationGone::Altered(why)))) => {
-                tracing::error!(
-                    slot = %slot,
-                    publication = %port.publication(),
-                    why = %why,
-                    "PUBLICATION NO LONGER STREAMS THE OUTBOX'S INSERTS: OUTBOX_ON_SLOT_LOST=stop, \
-                     so the relay stops rather than stream on past inserts it is not sent; \
-                     events committed since the change (the slot may be past those of the last \
-                     OUTBOX_HEALTH_INTERVAL already) wait in the table, unpublished (the error \
-                     says how to deliver them)"
-                );
-                return Err(StreamError::SlotLost {
-                    slot: slot.to_owned(),
-                    why: "behind a publication that no longer streams the outbox table's \
-                          inserts (pgoutput skips them without an error)",
-                    first: "Restore the publication first (the outbox table's inserts, every \
-                            column and row). ",
-                    instead: NOT_HEALED_BY_RECREATE,
-                });
-            }
-            Ok(Ok(Some(PublicationGone::Changed(why)))) => {
-                tracing::error!(
-                    slot = %slot,
-                    publication = %port.publication(),
-                    why = %why,
-                    "PUBLICATION CHANGED WHILE THE RELAY RAN: OUTBOX_ON_SLOT_LOST=stop, so the \
-                     relay stops; it streams the outbox's inserts now, but pgoutput skipped, \
-                     without an error, those committed while it did not; they wait in the \
-                     table, unpublished (the error says how to deliver them)"
-                );
-                return Err(StreamError::SlotLost {
-                    slot: slot.to_owned(),
-                    why: "behind a publication that changed between two checks (dropped and \
-                          created again, the table removed and added back, or altered): \
-                          pgoutput may have skipped inserts committed in between, without an \
-                          error",
-                    first: "Before PostgreSQL 18, if the publication was dropped and created \
-                            again, drop the slot first: it cannot decode past the drop (the \
-                            relay creates a new one at start). ",
-                    instead: HEALED_BY_RECREATE,
-                });
-            }
-            _ => {}
+        if let Ok(Ok(Some(gone))) = &result {
+            let (headline, stop) = gone.stop(slot);
+            tracing::error!(
+                slot = %slot,
+                publication = %port.publication(),
+                why = %gone.detail(),
+                "{headline}"
+            );
+            return Err(stop);
         }
         let problem = match result {
             Ok(Ok(_)) => None,

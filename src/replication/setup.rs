@@ -521,6 +521,14 @@ pub async fn check_publication(
     Ok(Some(others))
 }
 
+/// `server_version_num`, e.g. 150004.
+async fn server_version_num(client: &Client) -> Result<i32, SetupError> {
+    Ok(client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await?
+        .get(0))
+}
+
 /// The publication's identity and the table's membership of it (see
 /// [`super::publication::PublicationIdentity`]); `None` when it does not exist.
 pub async fn publication_identity(
@@ -528,10 +536,7 @@ pub async fn publication_identity(
     publication: &str,
     table: &TableName,
 ) -> Result<Option<super::publication::PublicationIdentity>, SetupError> {
-    let version: i32 = client
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
-        .await?
-        .get(0);
+    let version = server_version_num(client).await?;
     // A table is in a publication by a pg_publication_rel row, or from 15 by its schema's
     // pg_publication_namespace row (FOR TABLES IN SCHEMA); FOR ALL TABLES has neither.
     let schema_member = if version >= 150_000 {
@@ -569,10 +574,7 @@ async fn check_publication_filters(
     publication: &str,
     table: &TableName,
 ) -> Result<(), SetupError> {
-    let version: i32 = client
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
-        .await?
-        .get(0);
+    let version = server_version_num(client).await?;
     if version < 150_000 {
         return Ok(());
     }

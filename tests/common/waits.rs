@@ -60,6 +60,17 @@ pub async fn unpublished_rows(c: &tokio_postgres::Client) -> i64 {
     .get(0)
 }
 
+/// Rows of `outbox_events` named `event_name` not marked published yet.
+pub async fn unpublished_named(c: &tokio_postgres::Client, event_name: &str) -> i64 {
+    c.query_one(
+        "SELECT count(*) FROM outbox_events WHERE event_name = $1 AND published_at IS NULL",
+        &[&event_name],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
 /// Waits until every row of `outbox_events` is marked published.
 pub async fn wait_all_published(c: &tokio_postgres::Client) {
     eventually("every row is marked published", || async {
