@@ -9,6 +9,7 @@ use outbox_relay::config::log::log_filter;
 use outbox_relay::config::secret::secrets_on_command_line;
 use outbox_relay::config::{Cli, Command, LogFormat};
 use outbox_relay::error_chain;
+use outbox_relay::operator::fail_on_refused;
 use outbox_relay::{admin, daemon, inspect, migrate, status};
 use std::process::ExitCode;
 
@@ -86,11 +87,13 @@ async fn dispatch(command: &Command) -> Result<(), CommandError> {
         }
         Command::Replay(args) => {
             let report = outbox_relay::replay::replay(args).await?;
-            print(args.json, &report, outbox_relay::replay::render)
+            print(args.json, &report, outbox_relay::replay::render)?;
+            Ok(fail_on_refused(&report.refused)?)
         }
         Command::Reconcile(args) => {
             let report = outbox_relay::reconcile::reconcile(args).await?;
-            print(args.json, &report, outbox_relay::reconcile::render)
+            print(args.json, &report, outbox_relay::reconcile::render)?;
+            Ok(fail_on_refused(&report.refused)?)
         }
     }
 }

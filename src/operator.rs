@@ -1,9 +1,11 @@
 //! What the operator commands that join the table and Valkey (`trace`, `replay`,
-//! `reconcile`) share: their connections, the table check, and their error.
+//! `reconcile`) share: their connections, the table check, the tasks Valkey refused, and their
+//! error.
 
 use crate::config::{DatabaseArgs, ValkeyArgs};
 use crate::postgres::PgError;
 use crate::replication::setup::{self, SetupError};
+use crate::sink::{Batch, WriteOutcome};
 use crate::valkey::ValkeyConnection;
 
 /// Why an operator command failed.
@@ -25,11 +27,74 @@ pub enum OperatorError {
     },
     #[error("valkey command failed")]
     Valkey(#[from] redis::RedisError),
-    #[error("valkey write failed")]
+    /// Nothing about the failed write may be assumed; the tasks of earlier writes exist.
+    #[error(
+        "valkey write failed (what was written before stays; the same command run again \
+         writes the rest)"
+    )]
     Sink(#[from] crate::sink::SinkError),
     /// Bad input found only once connected (an unknown queue, a range with nothing in it).
     #[error("{0}")]
     Refused(String),
+    /// Valkey's answer to a write names more or fewer tasks than were written.
+    #[error("valkey's answer does not account for the write: {0}")]
+    Unaccounted(String),
+    /// The command's report is printed; this is why it still fails.
+    #[error(
+        "valkey refused {count} task(s) for good (`refused` in the report); their rows are \
+         unchanged (with --force their kept tasks were deleted first): mend the queue, then run \
+         the same command again"
+    )]
+    TasksRefused { count: usize },
+}
+
+/// A task Valkey refused for good when an operator command wrote it (see
+/// [`crate::sink::Rejected`]). Nothing was written for it; its row is left as it was.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct RefusedTask {
+    pub event_id: String,
+    pub queue: String,
+    pub reason: String,
+}
+
+/// The tasks of `batch` that `out` refused, once `out` is checked to answer for every task.
+pub fn refused_tasks(batch: &Batch, out: &WriteOutcome) -> Result<Vec<RefusedTask>, OperatorError> {
+    out.accounts_for(batch.len())
+        .map_err(OperatorError::Unaccounted)?;
+    Ok(out
+        .rejected
+        .iter()
+        .map(|r| {
+            let task = &batch.tasks[r.index];
+            RefusedTask {
+                event_id: task.id.clone(),
+                queue: task.queue.to_string(),
+                reason: r.reason.clone(),
+            }
+        })
+        .collect())
+}
+
+/// The lines of a text report that name the refused tasks.
+pub fn render_refused(out: &mut String, refused: &[RefusedTask]) {
+    use std::fmt::Write;
+    for r in refused {
+        // The reason names the queue.
+        let _ = writeln!(
+            out,
+            "refused  {}  {}",
+            r.event_id,
+            crate::asynq_state::one_line(&r.reason)
+        );
+    }
+}
+
+/// Ends a command whose report is printed: an error when Valkey refused tasks.
+pub fn fail_on_refused(refused: &[RefusedTask]) -> Result<(), OperatorError> {
+    match refused.len() {
+        0 => Ok(()),
+        count => Err(OperatorError::TasksRefused { count }),
+    }
 }
 
 /// The database (its outbox table checked, with the delivery-state columns) and Valkey.

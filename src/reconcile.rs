@@ -14,7 +14,7 @@
 use crate::asynq_state;
 use crate::config::{parse_positive_usize, ConfigError, DatabaseArgs, ValkeyArgs};
 use crate::event_filter::{self, Delivery, EventFilter};
-use crate::operator::OperatorError;
+use crate::operator::{self, OperatorError, RefusedTask};
 use crate::replay::{classify_page, Class};
 use crate::sink::valkey::ValkeySink;
 use crate::sink::{Batch, Sink};
@@ -95,6 +95,9 @@ pub struct ReconcileSummary {
     pub missing: Vec<MissingTask>,
     /// Tasks enqueued again (`--yes`).
     pub enqueued: u64,
+    /// Missing tasks Valkey refused for good (`--yes`): still missing. The command exits with
+    /// 1 after the report.
+    pub refused: Vec<RefusedTask>,
     /// Published rows in the range but created longer ago than the retention: not judged.
     pub too_old: i64,
     /// Rows that cannot become tasks under these settings (logged).
@@ -161,7 +164,10 @@ pub async fn reconcile(args: &ReconcileArgs) -> Result<ReconcileSummary, Operato
             batch.push(task);
         }
         if let Some(sink) = &sink {
-            s.enqueued += sink.write(Arc::new(batch)).await?.enqueued as u64;
+            let batch = Arc::new(batch);
+            let out = sink.write(batch.clone()).await?;
+            s.refused.extend(operator::refused_tasks(&batch, &out)?);
+            s.enqueued += out.enqueued as u64;
         }
         if last_report.elapsed() >= PROGRESS_EVERY {
             last_report = Instant::now();
@@ -177,6 +183,7 @@ pub async fn reconcile(args: &ReconcileArgs) -> Result<ReconcileSummary, Operato
         tracing::warn!(
             missing = s.missing.len(),
             enqueued = s.enqueued,
+            refused = s.refused.len(),
             "published events whose tasks valkey lost"
         );
     }
@@ -231,6 +238,7 @@ pub fn render(s: &ReconcileSummary) -> String {
     }
     if s.performed {
         let _ = writeln!(out, "enqueued {} missing task(s) again", s.enqueued);
+        operator::render_refused(&mut out, &s.refused);
     } else if !s.missing.is_empty() {
         let _ = writeln!(out, "run again with --yes to enqueue them");
     }

@@ -11,11 +11,16 @@
 //! retention) or archived is skipped too unless `--force`, which first deletes that task the
 //! way asynq's Inspector `DeleteTask` does and then enqueues the row's task anew. Tasks are
 //! enqueued with the relay's own script (an id created meanwhile is not written twice).
+//!
+//! A task Valkey refuses for good (its queue's pending list has the wrong type) is listed in the
+//! report and the command exits with 1. With `--force` such a task was
+//! deleted first: its row is still published, so the same replay run again once the queue is
+//! mended finds it absent and enqueues it.
 
 use crate::asynq_state::{self, Deleted};
 use crate::config::{parse_positive_usize, DatabaseArgs, ValkeyArgs};
 use crate::event_filter::{self, parse_event_id, Delivery, EventFilter, EventRow};
-use crate::operator::OperatorError;
+use crate::operator::{self, OperatorError, RefusedTask};
 use crate::sink::valkey::ValkeySink;
 use crate::sink::{Batch, Sink};
 use crate::task::TaskSettings;
@@ -130,6 +135,9 @@ pub struct ReplaySummary {
     pub dead_letters: i64,
     /// Queues the rows go to that Valkey has never seen.
     pub unknown_queues: Vec<String>,
+    /// Tasks Valkey refused for good (`--yes`): not written; with `--force` their kept task was
+    /// deleted first. The command exits with 1 after the report.
+    pub refused: Vec<RefusedTask>,
     pub sample: Vec<SampleRow>,
 }
 
@@ -255,7 +263,9 @@ async fn pass(
             }
         }
         if let Some(sink) = sink {
-            let out = sink.write(Arc::new(batch)).await?;
+            let batch = Arc::new(batch);
+            let out = sink.write(batch.clone()).await?;
+            s.refused.extend(operator::refused_tasks(&batch, &out)?);
             s.enqueued += out.enqueued as u64;
             s.duplicates += out.duplicates as u64;
         }
@@ -314,6 +324,7 @@ pub async fn replay(args: &ReplayArgs) -> Result<ReplaySummary, OperatorError> {
         rows = done.matched,
         enqueued = done.enqueued,
         deleted = done.deleted,
+        refused = done.refused.len(),
         "replay done"
     );
     Ok(done)
@@ -387,6 +398,7 @@ pub fn render(s: &ReplaySummary) -> String {
                 String::new()
             }
         );
+        operator::render_refused(&mut out, &s.refused);
         return out;
     }
     if !s.sample.is_empty() {

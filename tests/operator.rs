@@ -1,5 +1,6 @@
 //! `trace` and `replay`, driven as the real binary (`--json`), against tasks moved through
-//! asynq's states by asynq's own scripts (tests/common/asynq_states.rs, asynq v0.26.0).
+//! asynq's states by asynq's own scripts (tests/common/asynq_states.rs, asynq v0.26.0); and what
+//! `replay` and `reconcile` do with tasks Valkey refuses for good.
 
 mod common;
 
@@ -424,4 +425,132 @@ async fn replay_is_a_dry_run_until_yes_and_dedupes_by_task_id() {
     assert_eq!(code, 2, "{err}");
     let (code, _, err) = cli(&db, &redis, &["replay"]);
     assert_eq!(code, 2, "a replay of everything must be asked for: {err}");
+}
+
+/// Turns queue `q`'s pending list into a string: every enqueue there answers WRONGTYPE, which
+/// the sink reports as a refusal for good.
+async fn break_queue(redis: &Redis, q: &str) {
+    let key = format!("asynq:{{{q}}}:pending");
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("not a list")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+}
+
+async fn mend_queue(redis: &Redis, q: &str) {
+    let key = format!("asynq:{{{q}}}:pending");
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+}
+
+/// The event ids of a report's `refused` list, each with WRONGTYPE as its reason.
+fn refused_ids(report: &Value) -> Vec<String> {
+    let refused = report["refused"].as_array().unwrap();
+    for r in refused {
+        assert!(r["reason"].as_str().unwrap().contains("WRONGTYPE"), "{r}");
+        assert_eq!(r["queue"], "payments", "{r}");
+    }
+    refused
+        .iter()
+        .map(|r| r["event_id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// A task Valkey refuses for good is neither counted as enqueued nor passed over in silence:
+/// `replay --yes` and `reconcile --yes` list it, write the rest, and exit with 1; once the queue
+/// is mended the same command (without `--force`: the deleted task is absent now) writes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_and_reconcile_list_what_valkey_refuses_and_exit_1() {
+    let db = TestDb::new("refused").await;
+    let redis = Redis::start();
+    let routes = &ROUTES[..];
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, routes)).await;
+    let mut c = db.client().await;
+    let orders = insert_events(&mut c, "order.placed", 3, 1).await;
+    let pays = insert_events(&mut c, "pay.captured", 2, 1).await;
+    wait_pending(&redis, "default", 3).await;
+    wait_pending(&redis, "payments", 2).await;
+    wait_published(&db, 5).await;
+    relay.stop().await;
+    for q in ["default", "payments"] {
+        let mut worker = AsynqWorker::new(redis.conn().await, q);
+        while let Some(t) = worker.dequeue().await {
+            worker.succeed(&t).await;
+        }
+    }
+    break_queue(&redis, "payments").await;
+    let replay = [&["replay", "--json", "--since", "1h", "--yes"][..], routes].concat();
+
+    let forced = [&replay[..], &["--force"]].concat();
+    let (code, out, err) = cli(&db, &redis, &forced);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("refused 2 task(s)"), "{err}");
+    let report: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (report["deleted"].clone(), report["enqueued"].clone()),
+        (5.into(), 3.into())
+    );
+    assert_eq!(refused_ids(&report), pays);
+    let mut conn = redis.conn().await;
+    assert_eq!(pending_ids(&mut conn, "default").await, orders);
+    // As text: the refused tasks are absent now, so a replay without --force tries them.
+    let text_args = [&["replay", "--since", "1h", "--yes"][..], routes].concat();
+    let (code, text, _) = cli(&db, &redis, &text_args);
+    assert_eq!(code, 1);
+    assert!(
+        text.contains(&format!(
+            "refused  {}  queue \"payments\" refused the task: \"WRONGTYPE\": ",
+            pays[0]
+        )),
+        "{text}"
+    );
+
+    mend_queue(&redis, "payments").await;
+    let again = cli_json(&db, &redis, &replay);
+    assert_eq!(
+        (again["absent"].clone(), again["enqueued"].clone()),
+        (2.into(), 2.into())
+    );
+    assert!(refused_ids(&again).is_empty());
+    assert_eq!(pending_ids(&mut conn, "payments").await, pays);
+
+    // Valkey loses every task; reconcile enqueues what it can and lists the rest.
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    let _: () = redis::cmd("SADD")
+        .arg("asynq:queues")
+        .arg("default")
+        .arg("payments")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    break_queue(&redis, "payments").await;
+    let reconcile = [
+        &["reconcile", "--json", "--since", "1h", "--yes"][..],
+        routes,
+    ]
+    .concat();
+    let (code, out, err) = cli(&db, &redis, &reconcile);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("refused 2 task(s)"), "{err}");
+    let report: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["enqueued"], 3);
+    assert_eq!(refused_ids(&report), pays);
+    assert_eq!(pending_ids(&mut conn, "default").await, orders);
+    mend_queue(&redis, "payments").await;
+    let healed = cli_json(&db, &redis, &reconcile);
+    assert_eq!(healed["enqueued"], 2);
+    assert!(refused_ids(&healed).is_empty());
+    assert_eq!(pending_ids(&mut conn, "payments").await, pays);
 }

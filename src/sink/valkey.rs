@@ -170,10 +170,7 @@ impl ReplicaWait {
         Err(redis::RedisError::from((
             redis::ErrorKind::Client,
             "too few replicas acknowledged the write (WAIT; OUTBOX_VALKEY_WAIT_REPLICAS)",
-            format!(
-                "{acked} of {} within {:?}: sent again",
-                self.replicas, self.timeout
-            ),
+            format!("{acked} of {} within {:?}", self.replicas, self.timeout),
         )))
     }
 }
