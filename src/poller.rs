@@ -18,7 +18,7 @@ use crate::replication::invariant::InvariantViolation;
 use crate::shared_event_ids::SharedIdsHandle;
 use crate::sink::{Batch, Sink, SinkError};
 use crate::store::{OutboxTable, OutboxTx, StoreError};
-use crate::task::TaskSettings;
+use crate::task::{Task, TaskSettings};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -31,6 +31,10 @@ pub struct PollerSettings {
     pub batch_size: usize,
     /// Tasks per Valkey write: the unit of partial success.
     pub chunk_size: usize,
+    /// Task bytes per Valkey write at most (a task larger than this goes alone): the stream's
+    /// batch bound, so that large rows make more writes, each as long as a stream's, instead of
+    /// one write that cannot finish within the write timeout on a slow link.
+    pub chunk_bytes: usize,
     /// The idle delay between rounds.
     pub poll_interval: Duration,
     /// Beside the stream: only rows at least this old. `None` in poll mode (every row).
@@ -50,9 +54,37 @@ impl PollerSettings {
     /// server ends a poll transaction idle longer than this (see [`crate::store::pg::TxLimits`]):
     /// its client was cut off, and its row locks must go so that another poller can deliver.
     pub fn idle_in_transaction_bound(&self, link_timeout: Duration) -> Duration {
-        let chunks = self.batch_size.div_ceil(self.chunk_size.max(1));
-        let chunks = u32::try_from(chunks).unwrap_or(u32::MAX);
+        let chunks = u32::try_from(self.writes_between_statements()).unwrap_or(u32::MAX);
         self.write_timeout.saturating_mul(chunks) + link_timeout
+    }
+
+    /// Valkey writes a round makes with no statement between them, at most: a full batch cut
+    /// by count alone. Rows cut by bytes into more writes get a statement (the marks so far)
+    /// after this many, so that the idle bound holds whatever the rows' sizes.
+    pub fn writes_between_statements(&self) -> usize {
+        self.batch_size.div_ceil(self.chunk_size.max(1)).max(1)
+    }
+
+    /// `tasks` cut into writes of at most `chunk_size` tasks and `chunk_bytes` task bytes (or
+    /// one task larger than that), in order.
+    pub fn chunks<'a, T>(&self, tasks: &'a [(T, Task)]) -> Vec<&'a [(T, Task)]> {
+        let mut chunks = Vec::new();
+        let mut start = 0;
+        let mut bytes = 0;
+        for (i, (_, task)) in tasks.iter().enumerate() {
+            let full = i - start >= self.chunk_size.max(1)
+                || (i > start && bytes + task.msg.len() > self.chunk_bytes);
+            if full {
+                chunks.push(&tasks[start..i]);
+                start = i;
+                bytes = 0;
+            }
+            bytes += task.msg.len();
+        }
+        if start < tasks.len() {
+            chunks.push(&tasks[start..]);
+        }
+        chunks
     }
 }
 
@@ -203,8 +235,19 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
             }
         }
         let mut delivered: Vec<i64> = Vec::with_capacity(good.len());
+        // Rows of `delivered` from this index on are not marked yet.
+        let mut unmarked = 0;
+        let mut writes_since_statement = 0;
         let mut failure = None;
-        for chunk in good.chunks(s.chunk_size.max(1)) {
+        for chunk in s.chunks(&good) {
+            if writes_since_statement == s.writes_between_statements() {
+                // Only chunks whose every task was delivered leave no statement behind them
+                // (a refusal is marked at once), so there are rows to mark.
+                tx.mark_published(&delivered[unmarked..]).await?;
+                unmarked = delivered.len();
+                writes_since_statement = 0;
+            }
+            writes_since_statement += 1;
             let mut batch = Batch::default();
             for (_, task) in chunk {
                 batch.push(task.clone());
@@ -267,6 +310,7 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                         let dead = tx
                             .mark_failed(row.id, reason, s.attempt_backoff, s.max_attempts)
                             .await?;
+                        writes_since_statement = 0;
                         self.metrics.rows_rejected.inc();
                         tracing::warn!(
                             event_id = %row.event_id(),
@@ -279,7 +323,7 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                 }
             }
         }
-        tx.mark_published(&delivered).await?;
+        tx.mark_published(&delivered[unmarked..]).await?;
         tx.commit().await?;
         out.delivered = delivered.len();
         self.metrics
@@ -345,6 +389,7 @@ mod tests {
         let settings = PollerSettings {
             batch_size: 500,
             chunk_size: 100,
+            chunk_bytes: 8 << 20,
             poll_interval: Duration::from_secs(1),
             recovery_grace: None,
             max_attempts: 25,
@@ -364,5 +409,54 @@ mod tests {
             partial.idle_in_transaction_bound(Duration::from_secs(3)),
             Duration::from_secs(33)
         );
+    }
+
+    fn sized(lens: &[usize]) -> Vec<((), Task)> {
+        lens.iter()
+            .map(|&n| {
+                let task = Task {
+                    queue: "q".into(),
+                    id: String::new(),
+                    msg: vec![0; n],
+                    row_id: None,
+                };
+                ((), task)
+            })
+            .collect()
+    }
+
+    fn cut(settings: &PollerSettings, lens: &[usize]) -> Vec<Vec<usize>> {
+        let tasks = sized(lens);
+        settings
+            .chunks(&tasks)
+            .iter()
+            .map(|c| c.iter().map(|(_, t)| t.msg.len()).collect())
+            .collect()
+    }
+
+    #[test]
+    fn a_round_cuts_its_writes_by_count_and_by_bytes_in_order() {
+        let settings = PollerSettings {
+            batch_size: 6,
+            chunk_size: 3,
+            chunk_bytes: 10,
+            poll_interval: Duration::from_secs(1),
+            recovery_grace: None,
+            max_attempts: 25,
+            attempt_backoff: Duration::from_secs(1),
+            write_timeout: Duration::from_secs(15),
+        };
+        assert_eq!(settings.writes_between_statements(), 2);
+        assert_eq!(
+            cut(&settings, &[1, 1, 1, 1, 1, 1, 1]),
+            [vec![1, 1, 1], vec![1, 1, 1], vec![1]]
+        );
+        // 10 bytes fill a write; a task larger than the bound goes alone.
+        assert_eq!(
+            cut(&settings, &[4, 6, 1, 25, 9, 2]),
+            [vec![4, 6], vec![1], vec![25], vec![9], vec![2]]
+        );
+        assert_eq!(cut(&settings, &[30]), [vec![30]]);
+        assert!(cut(&settings, &[]).is_empty());
     }
 }

@@ -83,6 +83,7 @@ pub enum RelayError {
 
 /// Task bytes per batch at most (with `OUTBOX_BATCH_SIZE` rows at most): with
 /// `OUTBOX_MAX_INFLIGHT_BATCHES`, this bounds what the stream holds while Valkey is slow or down.
+/// The pollers' writes have the same bound.
 const BATCH_BYTES: usize = 8 << 20;
 /// Replication events buffered between the socket reader and the session: enough to keep the
 /// session busy while it writes, few enough that memory stays small with large rows.
@@ -404,6 +405,7 @@ pub async fn run(
     let poller_settings = PollerSettings {
         batch_size: args.batch_size,
         chunk_size: args.batch_size.min(POLLER_CHUNK),
+        chunk_bytes: BATCH_BYTES,
         poll_interval: args.poll_interval,
         recovery_grace: (args.mode == Mode::Stream).then_some(args.recovery_grace),
         max_attempts: args.max_attempts,

@@ -10,6 +10,7 @@
 
 mod common;
 
+use common::mem_outbox::MemTable;
 use common::*;
 use outbox_relay::metrics::Metrics;
 use outbox_relay::poller::{Poller, PollerSettings};
@@ -17,7 +18,7 @@ use outbox_relay::sink::valkey::ValkeySink;
 use outbox_relay::sink::{Batch, Sink, SinkError};
 use outbox_relay::store::{ClaimedRow, OutboxTable, OutboxTx, StoreError};
 use outbox_relay::task::{QueueRoute, TaskSettings};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 fn task_settings() -> TaskSettings {
@@ -48,6 +49,7 @@ fn poller<T: OutboxTable, S: Sink>(
         settings: PollerSettings {
             batch_size: 10,
             chunk_size: 10,
+            chunk_bytes: 8 << 20,
             poll_interval: Duration::from_millis(200),
             recovery_grace,
             max_attempts: 3,
@@ -123,75 +125,12 @@ async fn the_sink_lists_the_refusals_of_two_queues_in_batch_order() {
     );
 }
 
-/// An in-memory outbox: records what a poll round marks published and what it marks failed.
-#[derive(Clone, Default)]
-struct MemTable {
-    published: Arc<Mutex<Vec<i64>>>,
-    failed: Arc<Mutex<Vec<i64>>>,
-}
-
-struct MemTx {
-    table: MemTable,
-    published: Vec<i64>,
-    failed: Vec<i64>,
-}
-
-impl OutboxTable for MemTable {
-    type Tx = MemTx;
-
-    async fn mark_published(&self, rows: &[(i64, uuid::Uuid)]) -> Result<Vec<i64>, StoreError> {
-        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
-        self.published.lock().unwrap().extend(&ids);
-        Ok(ids)
-    }
-
-    async fn begin(&self) -> Result<MemTx, StoreError> {
-        Ok(MemTx {
-            table: self.clone(),
-            published: Vec::new(),
-            failed: Vec::new(),
-        })
-    }
-}
-
-impl OutboxTx for MemTx {
-    async fn claim(
-        &mut self,
-        _limit: usize,
-        _older_than: Option<Duration>,
-    ) -> Result<Vec<ClaimedRow>, StoreError> {
-        Ok(rows())
-    }
-
-    async fn mark_failed(
-        &mut self,
-        id: i64,
-        _error: &str,
-        _backoff: Duration,
-        _max_attempts: i32,
-    ) -> Result<bool, StoreError> {
-        self.failed.push(id);
-        Ok(false)
-    }
-
-    async fn mark_published(&mut self, ids: &[i64]) -> Result<(), StoreError> {
-        self.published.extend_from_slice(ids);
-        Ok(())
-    }
-
-    async fn commit(self) -> Result<(), StoreError> {
-        self.table.published.lock().unwrap().extend(self.published);
-        self.table.failed.lock().unwrap().extend(self.failed);
-        Ok(())
-    }
-}
-
 /// End to end through a poll round with the real sink: no refused row is marked published, and
 /// each records a failed attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poll_round_never_marks_a_refused_row_published() {
     let (redis, sink) = redis_with_two_broken_queues().await;
-    let table = MemTable::default();
+    let table = MemTable::new(rows());
     let poller = poller(table.clone(), sink, None, fresh_metrics());
     let _ = poller.round().await;
     let mut admin = redis.conn().await;
@@ -243,7 +182,7 @@ impl Sink for MiscountingSink {
 /// would be marked delivered.
 #[tokio::test]
 async fn a_poll_round_marks_nothing_on_an_answer_that_misses_a_task() {
-    let table = MemTable::default();
+    let table = MemTable::new(rows());
     let poller = poller(table.clone(), MiscountingSink, None, fresh_metrics());
     let err = poller.round().await.expect_err("the round must fail");
     assert!(

@@ -15,6 +15,7 @@ pub mod filtered_replay;
 pub mod http;
 pub mod launcher;
 pub mod logs;
+pub mod mem_outbox;
 pub mod observed;
 pub mod pg_standby;
 pub mod pg_upgrade;

@@ -239,6 +239,9 @@ impl World {
             settings: PollerSettings {
                 batch_size: 50,
                 chunk_size: 10,
+                // The stream's bound: with 300 or 4096 bytes a round cuts more writes than its
+                // count allows for between two statements, and marks part of its rows early.
+                chunk_bytes: self.knobs.batch_bytes,
                 poll_interval: Duration::from_millis(200),
                 recovery_grace: Some(GRACE),
                 max_attempts: 3,
