@@ -13,9 +13,9 @@
 //! enqueued with the relay's own script (an id created meanwhile is not written twice).
 //!
 //! A task Valkey refuses for good (its queue's pending list has the wrong type) is listed in the
-//! report and the command exits with 1. With `--force` such a task was
-//! deleted first: its row is still published, so the same replay run again once the queue is
-//! mended finds it absent and enqueues it.
+//! report and the command exits with 1. With `--force` such a task was deleted first: its row is
+//! still published, so the same replay run again once the queue is mended finds it absent and
+//! enqueues it.
 
 use crate::asynq_state::{self, Deleted};
 use crate::config::{parse_positive_usize, DatabaseArgs, ValkeyArgs};

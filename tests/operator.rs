@@ -430,29 +430,26 @@ async fn replay_is_a_dry_run_until_yes_and_dedupes_by_task_id() {
 /// Turns queue `q`'s pending list into a string: every enqueue there answers WRONGTYPE, which
 /// the sink reports as a refusal for good.
 async fn break_queue(redis: &Redis, q: &str) {
-    let key = format!("asynq:{{{q}}}:pending");
-    let mut conn = redis.conn().await;
-    let _: () = redis::cmd("DEL")
-        .arg(&key)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    mend_queue(redis, q).await;
     let _: () = redis::cmd("SET")
-        .arg(&key)
+        .arg(pending_key(q))
         .arg("not a list")
-        .query_async(&mut conn)
+        .query_async(&mut redis.conn().await)
         .await
         .unwrap();
 }
 
+/// Deletes queue `q`'s pending list (whatever its type): enqueues work there again.
 async fn mend_queue(redis: &Redis, q: &str) {
-    let key = format!("asynq:{{{q}}}:pending");
-    let mut conn = redis.conn().await;
     let _: () = redis::cmd("DEL")
-        .arg(&key)
-        .query_async(&mut conn)
+        .arg(pending_key(q))
+        .query_async(&mut redis.conn().await)
         .await
         .unwrap();
+}
+
+fn pending_key(q: &str) -> String {
+    format!("asynq:{{{q}}}:pending")
 }
 
 /// The event ids of a report's `refused` list, each with WRONGTYPE as its reason.
