@@ -115,3 +115,67 @@ pub async fn connect(
         })?;
     Ok((client, conn))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::Rejected;
+    use crate::task::Task;
+
+    fn batch(ids: &[&str]) -> Batch {
+        let mut batch = Batch::default();
+        for id in ids {
+            batch.push(Task {
+                queue: "payments".into(),
+                id: (*id).into(),
+                msg: Vec::new(),
+                row_id: None,
+            });
+        }
+        batch
+    }
+
+    fn refusal(index: usize) -> Rejected {
+        Rejected {
+            index,
+            reason: "WRONGTYPE".into(),
+        }
+    }
+
+    /// `replay` and `reconcile` count and list what the answer says; an answer that does not
+    /// name every task of the write once (too few or too many, a refusal twice or outside the
+    /// write) is an error, never a count, a report or a panic on the index.
+    #[test]
+    fn the_refused_tasks_of_an_answer_that_does_not_account_for_the_write_are_an_error() {
+        let b = batch(&["a", "b", "c"]);
+        let answer = |enqueued, duplicates, rejected| WriteOutcome {
+            enqueued,
+            duplicates,
+            rejected,
+        };
+        let listed = refused_tasks(&b, &answer(1, 1, vec![refusal(2)])).unwrap();
+        assert_eq!(
+            listed,
+            [RefusedTask {
+                event_id: "c".into(),
+                queue: "payments".into(),
+                reason: "WRONGTYPE".into(),
+            }]
+        );
+        assert!(refused_tasks(&b, &answer(3, 0, vec![])).unwrap().is_empty());
+        for wrong in [
+            answer(2, 0, vec![]),
+            answer(3, 1, vec![]),
+            answer(2, 0, vec![refusal(3)]),
+            answer(1, 0, vec![refusal(0), refusal(0)]),
+        ] {
+            match refused_tasks(&b, &wrong) {
+                Err(OperatorError::Unaccounted(why)) => assert!(
+                    why.contains("of 3 tasks") || why.contains("the 3 tasks"),
+                    "{why}"
+                ),
+                other => panic!("{wrong:?}: {other:?}"),
+            }
+        }
+    }
+}

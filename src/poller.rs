@@ -35,6 +35,10 @@ pub struct PollerSettings {
     /// batch bound, so that large rows make more writes, each as long as a stream's, instead of
     /// one write that cannot finish within the write timeout on a slow link.
     pub chunk_bytes: usize,
+    /// Payload and metadata bytes a round reads at most (the first row whatever its size): what
+    /// one round holds in memory is about twice this, the rows and their tasks. Rows claimed
+    /// past it are left for the next round, which starts at once.
+    pub claim_bytes: usize,
     /// The idle delay between rounds.
     pub poll_interval: Duration,
     /// Beside the stream: only rows at least this old. `None` in poll mode (every row).
@@ -124,6 +128,8 @@ pub struct Poller<T: OutboxTable, S: Sink> {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RoundOutcome {
     pub claimed: usize,
+    /// Rows were locked past `claim_bytes` and left for the next round.
+    pub left: bool,
     pub delivered: usize,
     pub failed_rows: usize,
 }
@@ -150,7 +156,7 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
                             .valkey_write_succeeded(crate::health::Writer::Poller);
                     }
                     self.metrics.poller_rounds.inc();
-                    if out.claimed >= self.settings.batch_size {
+                    if out.claimed >= self.settings.batch_size || out.left {
                         continue;
                     }
                     self.settings.poll_interval
@@ -196,9 +202,13 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
         let started = tokio::time::Instant::now();
         let s = &self.settings;
         let mut tx = self.table.begin().await?;
-        let rows = tx.claim(s.batch_size, s.recovery_grace).await?;
+        let claimed = tx
+            .claim(s.batch_size, s.claim_bytes, s.recovery_grace)
+            .await?;
+        let rows = claimed.rows;
         let mut out = RoundOutcome {
             claimed: rows.len(),
+            left: claimed.left,
             ..Default::default()
         };
         if rows.is_empty() {
@@ -390,6 +400,7 @@ mod tests {
             batch_size: 500,
             chunk_size: 100,
             chunk_bytes: 8 << 20,
+            claim_bytes: 32 << 20,
             poll_interval: Duration::from_secs(1),
             recovery_grace: None,
             max_attempts: 25,
@@ -440,6 +451,7 @@ mod tests {
             batch_size: 6,
             chunk_size: 3,
             chunk_bytes: 10,
+            claim_bytes: 32 << 20,
             poll_interval: Duration::from_secs(1),
             recovery_grace: None,
             max_attempts: 25,

@@ -81,10 +81,15 @@ pub enum RelayError {
     BackgroundPanicked(String),
 }
 
-/// Task bytes per batch at most (with `OUTBOX_BATCH_SIZE` rows at most): with
-/// `OUTBOX_MAX_INFLIGHT_BATCHES`, this bounds what the stream holds while Valkey is slow or down.
-/// The pollers' writes have the same bound.
+/// Task bytes at which the stream closes a batch (with `OUTBOX_BATCH_SIZE` rows at most), so a
+/// batch holds this plus at most one task: with `OUTBOX_MAX_INFLIGHT_BATCHES`, this bounds what
+/// the stream holds while Valkey is slow or down. A poller's write stays within it (a task
+/// larger than it goes alone).
 const BATCH_BYTES: usize = 8 << 20;
+/// Payload and metadata bytes one poll round reads at most: four writes of [`BATCH_BYTES`], so a
+/// poller holds about what the stream's default four batches in flight hold (the rows and their
+/// tasks, about twice this), whatever `OUTBOX_BATCH_SIZE` rows of the largest size would make.
+const POLL_ROUND_BYTES: usize = 4 * BATCH_BYTES;
 /// Replication events buffered between the socket reader and the session: enough to keep the
 /// session busy while it writes, few enough that memory stays small with large rows.
 const REPLICATION_BUFFER_EVENTS: usize = 2048;
@@ -406,6 +411,7 @@ pub async fn run(
         batch_size: args.batch_size,
         chunk_size: args.batch_size.min(POLLER_CHUNK),
         chunk_bytes: BATCH_BYTES,
+        claim_bytes: POLL_ROUND_BYTES,
         poll_interval: args.poll_interval,
         recovery_grace: (args.mode == Mode::Stream).then_some(args.recovery_grace),
         max_attempts: args.max_attempts,

@@ -551,3 +551,51 @@ async fn replay_and_reconcile_list_what_valkey_refuses_and_exit_1() {
     assert!(refused_ids(&healed).is_empty());
     assert_eq!(pending_ids(&mut conn, "payments").await, pays);
 }
+
+/// A write that fails (here: no replica acknowledges it, with `--valkey-wait-replicas 1` on a
+/// server that has none) ends `replay --yes` and `reconcile --yes` with exit 1 and no report,
+/// after the pages before it were written; the same command run again skips what is there and
+/// writes the rest. What docs/operations.md promises for a write that fails midway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_and_reconcile_stop_at_a_failed_write_and_run_again_write_the_rest() {
+    let db = TestDb::new("failed_write").await;
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &[])).await;
+    let mut c = db.client().await;
+    let ids = insert_events(&mut c, "order.placed", 5, 1).await;
+    wait_pending(&redis, "default", 5).await;
+    wait_published(&db, 5).await;
+    relay.stop().await;
+    let mut conn = redis.conn().await;
+    let lose_every_task = || async {
+        let mut conn = redis.conn().await;
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+        let _: () = redis::cmd("SADD")
+            .arg("asynq:queues")
+            .arg("default")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    };
+    // Pages of two rows: the first write is made, then its WAIT finds no replica.
+    let wait = ["--batch", "2", "--valkey-wait-replicas", "1"];
+    for command in ["replay", "reconcile"] {
+        lose_every_task().await;
+        let run = [command, "--json", "--since", "1h", "--yes"];
+        let (code, out, err) = cli(&db, &redis, &[&run[..], &wait].concat());
+        assert_eq!(code, 1, "{command}: {err}");
+        assert!(
+            err.contains("the same command run again writes the rest"),
+            "{command}: {err}"
+        );
+        assert!(out.is_empty(), "{command} printed a report: {out}");
+        assert_eq!(
+            pending_ids(&mut conn, "default").await,
+            ids[..2],
+            "{command}: the first page's write stays"
+        );
+        let again = cli_json(&db, &redis, &[&run[..], &["--batch", "2"]].concat());
+        assert_eq!(again["enqueued"], 3, "{command}: {again}");
+        assert_eq!(pending_ids(&mut conn, "default").await, ids, "{command}");
+    }
+}

@@ -614,3 +614,129 @@ async fn a_row_failed_many_times_still_backs_off_an_hour_and_becomes_a_dead_lett
         .await
         .unwrap());
 }
+
+/// `n` rows whose payload and metadata read as 1,004 bytes of text each (a JSON string of 1,000
+/// characters and `{}`).
+async fn insert_kilobyte_rows(c: &tokio_postgres::Client, n: i32) {
+    c.execute(
+        "INSERT INTO outbox_events (event_id, event_name, payload, metadata) \
+         SELECT gen_random_uuid(), 'big.one', to_jsonb(repeat('x', 1000)), '{}' \
+         FROM generate_series(1, $1)",
+        &[&n],
+    )
+    .await
+    .unwrap();
+}
+
+/// A claim reads rows in id order until its byte bound, the first whatever its size, and says
+/// when rows were left; those stay locked until the round ends (no other poller takes them
+/// meanwhile) and come unchanged to the next claim. Before, a round read all `OUTBOX_BATCH_SIZE`
+/// rows at once: 500 rows of 1 MiB held about 1 GiB in the relay with their tasks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_reads_rows_up_to_its_byte_bound_and_leaves_the_rest_to_the_next_round() {
+    let db = TestDb::new("claimbytes").await;
+    let mut c = db.client().await;
+    let other = db.client().await;
+    insert_kilobyte_rows(&c, 5).await;
+    let all: Vec<i64> = c
+        .query("SELECT id FROM outbox_events ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let store = outbox_relay::store::Store::new(
+        outbox_relay::pgoutput::TableName::parse("outbox_events").unwrap(),
+    );
+    let ids = |claimed: &outbox_relay::store::Claimed| -> Vec<i64> {
+        claimed.rows.iter().map(|r| r.id).collect()
+    };
+    for older_than in [None, Some(std::time::Duration::ZERO)] {
+        // 0, 1,004 and 2,008 bytes before the first three: under 2,500; 3,012 before the fourth.
+        let tx = c.transaction().await.unwrap();
+        let claimed = store.claim(&tx, 10, 2_500, older_than).await.unwrap();
+        assert_eq!((ids(&claimed), claimed.left), (all[..3].to_vec(), true));
+        assert_eq!(claimed.rows[0].payload.as_ref().unwrap().len(), 1_002);
+        let meanwhile = store.claim(&other, 10, 1 << 20, older_than).await.unwrap();
+        assert!(meanwhile.rows.is_empty(), "rows left were not held");
+        tx.commit().await.unwrap();
+        // A row larger than the bound comes alone.
+        let tx = c.transaction().await.unwrap();
+        let claimed = store.claim(&tx, 10, 1, older_than).await.unwrap();
+        assert_eq!((ids(&claimed), claimed.left), (all[..1].to_vec(), true));
+        drop(tx);
+        let tx = c.transaction().await.unwrap();
+        let claimed = store.claim(&tx, 10, 5_020, older_than).await.unwrap();
+        assert_eq!((ids(&claimed), claimed.left), (all.clone(), false));
+        tx.commit().await.unwrap();
+    }
+}
+
+/// A round that left rows to its byte bound starts the next at once, as after a full batch: with
+/// an hour between rounds, a poller whose rounds read three kilobyte rows delivers all seven
+/// without waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_cut_by_bytes_polls_again_at_once() {
+    let db = TestDb::new("claimbytesrun").await;
+    let redis = Redis::start();
+    let c = db.client().await;
+    insert_kilobyte_rows(&c, 7).await;
+    let target = outbox_relay::postgres::PgTarget::parse(&db.url).unwrap();
+    let table = outbox_relay::store::pg::PgOutbox {
+        pool: target.pool(1),
+        store: outbox_relay::store::Store::new(
+            outbox_relay::pgoutput::TableName::parse("outbox_events").unwrap(),
+        ),
+        tx_limits: None,
+    };
+    let sink = outbox_relay::sink::valkey::ValkeySink::connect(
+        outbox_relay::valkey::ValkeyTarget::new(
+            &redis.url,
+            &outbox_relay::valkey::Topology::Single,
+            std::time::Duration::from_secs(5),
+            None,
+        )
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let metrics = std::sync::Arc::new(outbox_relay::metrics::Metrics::new(
+        &mut prometheus_client::registry::Registry::default(),
+    ));
+    let poller = outbox_relay::poller::Poller {
+        table,
+        settings: outbox_relay::poller::PollerSettings {
+            batch_size: 10,
+            chunk_size: 10,
+            chunk_bytes: 8 << 20,
+            claim_bytes: 2_500,
+            poll_interval: std::time::Duration::from_secs(3600),
+            recovery_grace: None,
+            max_attempts: 3,
+            attempt_backoff: std::time::Duration::from_secs(1),
+            write_timeout: std::time::Duration::from_secs(15),
+        },
+        tasks: std::sync::Arc::new(outbox_relay::task::TaskSettings::default()),
+        sink,
+        metrics: metrics.clone(),
+        wake: std::sync::Arc::default(),
+        shared_ids: None,
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { poller.run(shutdown).await }
+    });
+    wait_pending(&redis, "default", 7).await;
+    eventually("every row published", || async {
+        (unpublished(&db).await == 0).then_some(())
+    })
+    .await;
+    // Rounds of 3, 3 and 1 rows; the last, not cut, waits its hour.
+    eventually("three rounds counted", || async {
+        (metrics.poller_rounds.get() == 3).then_some(())
+    })
+    .await;
+    shutdown.cancel();
+    running.await.unwrap();
+}

@@ -70,6 +70,7 @@ fn settings() -> PollerSettings {
         batch_size: 12,
         chunk_size: 4,
         chunk_bytes: 8 << 10,
+        claim_bytes: 32 << 20,
         poll_interval: Duration::from_millis(200),
         recovery_grace: None,
         max_attempts: 3,

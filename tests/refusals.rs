@@ -16,7 +16,7 @@ use outbox_relay::metrics::Metrics;
 use outbox_relay::poller::{Poller, PollerSettings};
 use outbox_relay::sink::valkey::ValkeySink;
 use outbox_relay::sink::{Batch, Sink, SinkError};
-use outbox_relay::store::{ClaimedRow, OutboxTable, OutboxTx, StoreError};
+use outbox_relay::store::{Claimed, ClaimedRow, OutboxTable, OutboxTx, StoreError};
 use outbox_relay::task::{QueueRoute, TaskSettings};
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,6 +50,7 @@ fn poller<T: OutboxTable, S: Sink>(
             batch_size: 10,
             chunk_size: 10,
             chunk_bytes: 8 << 20,
+            claim_bytes: 32 << 20,
             poll_interval: Duration::from_millis(200),
             recovery_grace,
             max_attempts: 3,
@@ -250,9 +251,13 @@ impl OutboxTx for DeliveredElsewhereTx {
     async fn claim(
         &mut self,
         _limit: usize,
+        _bytes: usize,
         _older_than: Option<Duration>,
-    ) -> Result<Vec<ClaimedRow>, StoreError> {
-        Ok(if self.first { rows() } else { Vec::new() })
+    ) -> Result<Claimed, StoreError> {
+        Ok(Claimed {
+            rows: if self.first { rows() } else { Vec::new() },
+            left: false,
+        })
     }
 
     async fn mark_failed(

@@ -6,7 +6,7 @@
 pub mod pg;
 mod statements;
 
-pub use statements::{mark_delivered_sql, ClaimedRow, DeadLetter, Store};
+pub use statements::{mark_delivered_sql, Claimed, ClaimedRow, DeadLetter, Store};
 
 use std::future::Future;
 use std::time::Duration;
@@ -41,13 +41,16 @@ pub trait OutboxTable: Clone + Send + Sync + 'static {
 /// One poll round's transaction. Dropped without [`commit`](Self::commit), it rolls back: the
 /// claimed rows are unlocked and unchanged.
 pub trait OutboxTx: Send {
-    /// Locks up to `limit` deliverable rows no other transaction holds, oldest id first; with
-    /// `older_than`, only rows created at least that long ago.
+    /// Locks up to `limit` deliverable rows no other transaction holds, oldest id first, and
+    /// returns them until `bytes` of payload and metadata (the first row whatever its size;
+    /// [`Claimed::left`] when rows were locked past that: they are unlocked unchanged at the
+    /// end of the round). With `older_than`, only rows created at least that long ago.
     fn claim(
         &mut self,
         limit: usize,
+        bytes: usize,
         older_than: Option<Duration>,
-    ) -> impl Future<Output = Result<Vec<ClaimedRow>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Claimed, StoreError>> + Send;
 
     /// Records a failed attempt: the next waits `backoff * 2^(attempts-1)` (at most an hour),
     /// and the row becomes a dead letter at `max_attempts`. Returns whether it is now one.

@@ -1,6 +1,6 @@
 //! [`OutboxTable`] and [`OutboxTx`] on a deadpool-postgres pool.
 
-use super::{ClaimedRow, OutboxTable, OutboxTx, Store, StoreError};
+use super::{Claimed, OutboxTable, OutboxTx, Store, StoreError};
 use std::time::Duration;
 
 /// The outbox table through a connection pool.
@@ -93,11 +93,12 @@ impl OutboxTx for PgTx {
     async fn claim(
         &mut self,
         limit: usize,
+        bytes: usize,
         older_than: Option<Duration>,
-    ) -> Result<Vec<ClaimedRow>, StoreError> {
+    ) -> Result<Claimed, StoreError> {
         Ok(self
             .store
-            .claim(&***self.client(), limit, older_than)
+            .claim(&***self.client(), limit, bytes, older_than)
             .await?)
     }
 

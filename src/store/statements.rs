@@ -22,6 +22,16 @@ pub struct ClaimedRow {
     pub attempts: i32,
 }
 
+/// What one claim read.
+#[derive(Debug, Clone, Default)]
+pub struct Claimed {
+    /// The rows to deliver this round, in id order.
+    pub rows: Vec<ClaimedRow>,
+    /// Rows were left for the next round by the byte bound: the poller claims again at once,
+    /// as after a full batch.
+    pub left: bool,
+}
+
 impl ClaimedRow {
     fn from_row(r: &Row) -> Self {
         Self {
@@ -111,22 +121,34 @@ impl Store {
         // Lock the ids first, then read (and cast to text) only those rows: a plan that reads
         // and casts every unpublished row before the LIMIT is far slower on a big backlog
         // whose statistics are stale.
-        let claim = |extra: &str| {
+        // The rows come back in id order until `bytes` of payload and metadata text (with the
+        // first row always, however large): the rows locked past that are unlocked unchanged at
+        // commit, for the next round. `locked` tells the poller that rows were left. `r` is
+        // materialized so that each payload is cast to text once.
+        let claim = |extra: &str, bytes: &str| {
             format!(
                 "WITH c AS (SELECT id FROM {t} WHERE published_at IS NULL AND dead_at IS NULL \
                    AND (next_attempt_at IS NULL OR next_attempt_at <= now()){extra} \
-                   ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
-                 SELECT o.id, o.event_id::text, o.event_name, o.payload::text, o.metadata::text, \
-                        o.created_at::text, o.attempts \
-                 FROM {t} o JOIN c ON o.id = c.id ORDER BY o.id"
+                   ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), \
+                 r AS MATERIALIZED (SELECT o.id, o.event_id::text AS event_id, o.event_name, \
+                        o.payload::text AS payload, o.metadata::text AS metadata, \
+                        o.created_at::text AS created_at, o.attempts \
+                   FROM {t} o JOIN c ON o.id = c.id), \
+                 s AS (SELECT r.*, coalesce(octet_length(r.payload), 0) \
+                          + coalesce(octet_length(r.metadata), 0) AS size FROM r), \
+                 w AS (SELECT s.*, sum(s.size) OVER (ORDER BY s.id ROWS UNBOUNDED PRECEDING) \
+                          - s.size AS before, count(*) OVER () AS locked FROM s) \
+                 SELECT id, event_id, event_name, payload, metadata, created_at, attempts, locked \
+                 FROM w WHERE before < {bytes} ORDER BY id"
             )
         };
         Self {
-            claim: claim(""),
+            claim: claim("", "$2"),
             // A row without created_at (a table without the kit's NOT NULL) is not the
             // stream's to wait for: claimed at once, it becomes a dead letter as a bad row.
             claim_recovery: claim(
-                " AND (created_at IS NULL OR created_at < now() - make_interval(secs => $2))",
+                " AND (created_at IS NULL OR created_at < now() - make_interval(secs => $3))",
+                "$2",
             ),
             table,
             delete_delivered: false,
@@ -139,24 +161,33 @@ impl Store {
         self
     }
 
-    /// Locks up to `limit` deliverable rows no other transaction holds, oldest id first. With
+    /// Locks up to `limit` deliverable rows no other transaction holds, oldest id first, and
+    /// reads them until `bytes` of payload and metadata (the first row whatever its size). With
     /// `older_than`, only rows created at least that long ago (the recovery path beside the
     /// stream).
     pub async fn claim(
         &self,
         tx: &impl GenericClient,
         limit: usize,
+        bytes: usize,
         older_than: Option<Duration>,
-    ) -> Result<Vec<ClaimedRow>, tokio_postgres::Error> {
+    ) -> Result<Claimed, tokio_postgres::Error> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        // At least the first row, whatever its size.
+        let bytes = i64::try_from(bytes.max(1)).unwrap_or(i64::MAX);
         let rows = match older_than {
-            None => tx.query(&self.claim, &[&limit]).await?,
+            None => tx.query(&self.claim, &[&limit, &bytes]).await?,
             Some(d) => {
-                tx.query(&self.claim_recovery, &[&limit, &d.as_secs_f64()])
+                tx.query(&self.claim_recovery, &[&limit, &bytes, &d.as_secs_f64()])
                     .await?
             }
         };
-        Ok(rows.iter().map(ClaimedRow::from_row).collect())
+        let locked = rows.first().map_or(0, |r| r.get::<_, i64>(7));
+        let rows: Vec<ClaimedRow> = rows.iter().map(ClaimedRow::from_row).collect();
+        Ok(Claimed {
+            left: usize::try_from(locked).unwrap_or(usize::MAX) > rows.len(),
+            rows,
+        })
     }
 
     /// Marks rows published (rows already marked are left alone).

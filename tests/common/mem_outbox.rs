@@ -3,7 +3,7 @@
 //! statement of its transaction in order (a sink under test can log its writes in the same
 //! [`Steps`], to check what runs between two statements).
 
-use outbox_relay::store::{ClaimedRow, OutboxTable, OutboxTx, StoreError};
+use outbox_relay::store::{Claimed, ClaimedRow, OutboxTable, OutboxTx, StoreError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -70,10 +70,14 @@ impl OutboxTx for MemTx {
     async fn claim(
         &mut self,
         _limit: usize,
+        _bytes: usize,
         _older_than: Option<Duration>,
-    ) -> Result<Vec<ClaimedRow>, StoreError> {
+    ) -> Result<Claimed, StoreError> {
         self.table.step("claim");
-        Ok(self.table.rows.to_vec())
+        Ok(Claimed {
+            rows: self.table.rows.to_vec(),
+            left: false,
+        })
     }
 
     async fn mark_failed(

@@ -9,7 +9,11 @@ use super::check::Checker;
 use super::wire;
 use outbox_relay::replication::source::{ReplicationSource, SlotHolder, SlotPort, SlotState};
 use outbox_relay::replication::stream::StreamError;
-use outbox_relay::store::{ClaimedRow, OutboxTable, OutboxTx, StoreError};
+use outbox_relay::store::{Claimed, ClaimedRow, OutboxTable, OutboxTx, StoreError};
+
+/// Every simulated row's payload and metadata, as the claim reads them.
+const SIM_PAYLOAD: &str = "{\"n\":1}";
+const SIM_METADATA: &str = "{}";
 use pgwire_replication::{Lsn, PgWireError, ReplicationEvent};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -695,14 +699,18 @@ impl OutboxTx for SimTx {
     async fn claim(
         &mut self,
         limit: usize,
+        bytes: usize,
         older_than: Option<Duration>,
-    ) -> Result<Vec<ClaimedRow>, StoreError> {
+    ) -> Result<Claimed, StoreError> {
         self.db.sql().map_err(store_err)?;
         let now = Instant::now();
         let mut st = self.db.st.lock().unwrap();
         let mut out = Vec::new();
+        // As the real claim: up to `limit` rows locked, returned until `bytes` of payload and
+        // metadata (the first whatever its size); the rest stay locked until the round ends.
+        let (mut locked, mut read) = (0, 0);
         for r in st.rows.values_mut() {
-            if out.len() >= limit {
+            if locked >= limit {
                 break;
             }
             let eligible = !r.settled()
@@ -715,6 +723,11 @@ impl OutboxTx for SimTx {
                 continue;
             }
             r.locked = Some(self.id);
+            locked += 1;
+            if read >= bytes.max(1) {
+                continue;
+            }
+            read += SIM_PAYLOAD.len() + SIM_METADATA.len();
             out.push(ClaimedRow {
                 id: r.id,
                 event_id: Some(r.event_id.clone()),
@@ -723,13 +736,16 @@ impl OutboxTx for SimTx {
                 } else {
                     String::new()
                 }),
-                payload: Some("{\"n\":1}".into()),
-                metadata: Some("{}".into()),
+                payload: Some(SIM_PAYLOAD.into()),
+                metadata: Some(SIM_METADATA.into()),
                 created_at: Some("2026-11-29 10:15:30.123456+00".into()),
                 attempts: r.attempts,
             });
         }
-        Ok(out)
+        Ok(Claimed {
+            left: locked > out.len(),
+            rows: out,
+        })
     }
 
     async fn mark_failed(

@@ -242,6 +242,9 @@ impl World {
                 // The stream's bound: with 300 or 4096 bytes a round cuts more writes than its
                 // count allows for between two statements, and marks part of its rows early.
                 chunk_bytes: self.knobs.batch_bytes,
+                // Rows of 9 bytes: with 300 bytes a round reads 34 of its 50 and leaves the rest
+                // locked, for the round after it.
+                claim_bytes: self.knobs.batch_bytes,
                 poll_interval: Duration::from_millis(200),
                 recovery_grace: Some(GRACE),
                 max_attempts: 3,
