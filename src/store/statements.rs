@@ -121,34 +121,35 @@ impl Store {
         // Lock the ids first, then read (and cast to text) only those rows: a plan that reads
         // and casts every unpublished row before the LIMIT is far slower on a big backlog
         // whose statistics are stale.
-        // The rows come back in id order until `bytes` of payload and metadata text (with the
-        // first row always, however large): the rows locked past that are unlocked unchanged at
-        // commit, for the next round. `locked` tells the poller that rows were left. `r` is
-        // materialized so that each payload is cast to text once.
-        let claim = |extra: &str, bytes: &str| {
+        //
+        // Rows are read in id order until `bytes` (the first row whatever its size): first cut
+        // here by their stored size (`pg_column_size`, which reads no TOAST: the window sorts
+        // ids and sizes only, and only the rows returned are read and cast; found by review:
+        // a window over the text of every locked row wrote twice the batch to temp files),
+        // then by their text as the relay reads it ([`Store::claim`]), since a compressed
+        // payload stores much smaller than it reads. The rows locked past the cut are unlocked
+        // unchanged at commit, for the next round; `locked` tells the poller some were left.
+        let claim = |extra: &str| {
+            let size = "coalesce(pg_column_size(o.payload), 0) \
+                        + coalesce(pg_column_size(o.metadata), 0)";
             format!(
                 "WITH c AS (SELECT id FROM {t} WHERE published_at IS NULL AND dead_at IS NULL \
                    AND (next_attempt_at IS NULL OR next_attempt_at <= now()){extra} \
                    ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), \
-                 r AS MATERIALIZED (SELECT o.id, o.event_id::text AS event_id, o.event_name, \
-                        o.payload::text AS payload, o.metadata::text AS metadata, \
-                        o.created_at::text AS created_at, o.attempts \
-                   FROM {t} o JOIN c ON o.id = c.id), \
-                 s AS (SELECT r.*, coalesce(octet_length(r.payload), 0) \
-                          + coalesce(octet_length(r.metadata), 0) AS size FROM r), \
-                 w AS (SELECT s.*, sum(s.size) OVER (ORDER BY s.id ROWS UNBOUNDED PRECEDING) \
-                          - s.size AS before, count(*) OVER () AS locked FROM s) \
-                 SELECT id, event_id, event_name, payload, metadata, created_at, attempts, locked \
-                 FROM w WHERE before < {bytes} ORDER BY id"
+                 w AS (SELECT o.id, sum({size}) OVER (ORDER BY o.id ROWS UNBOUNDED PRECEDING) \
+                          - ({size}) AS before, count(*) OVER () AS locked \
+                   FROM {t} o JOIN c ON o.id = c.id) \
+                 SELECT o.id, o.event_id::text, o.event_name, o.payload::text, o.metadata::text, \
+                        o.created_at::text, o.attempts, w.locked \
+                 FROM {t} o JOIN w ON o.id = w.id WHERE w.before < $2 ORDER BY o.id"
             )
         };
         Self {
-            claim: claim("", "$2"),
+            claim: claim(""),
             // A row without created_at (a table without the kit's NOT NULL) is not the
             // stream's to wait for: claimed at once, it becomes a dead letter as a bad row.
             claim_recovery: claim(
                 " AND (created_at IS NULL OR created_at < now() - make_interval(secs => $3))",
-                "$2",
             ),
             table,
             delete_delivered: false,
@@ -162,9 +163,9 @@ impl Store {
     }
 
     /// Locks up to `limit` deliverable rows no other transaction holds, oldest id first, and
-    /// reads them until `bytes` of payload and metadata (the first row whatever its size). With
-    /// `older_than`, only rows created at least that long ago (the recovery path beside the
-    /// stream).
+    /// keeps them until `bytes` of payload and metadata text (the first row whatever its size):
+    /// what a round holds is bounded by bytes as well as by rows. With `older_than`, only rows
+    /// created at least that long ago (the recovery path beside the stream).
     pub async fn claim(
         &self,
         tx: &impl GenericClient,
@@ -172,22 +173,35 @@ impl Store {
         bytes: usize,
         older_than: Option<Duration>,
     ) -> Result<Claimed, tokio_postgres::Error> {
+        use futures::TryStreamExt;
+        use tokio_postgres::types::ToSql;
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         // At least the first row, whatever its size.
-        let bytes = i64::try_from(bytes.max(1)).unwrap_or(i64::MAX);
-        let rows = match older_than {
-            None => tx.query(&self.claim, &[&limit, &bytes]).await?,
-            Some(d) => {
-                tx.query(&self.claim_recovery, &[&limit, &bytes, &d.as_secs_f64()])
-                    .await?
-            }
+        let bytes = bytes.max(1);
+        let server_bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
+        let secs = older_than.map(|d| d.as_secs_f64());
+        let (sql, params): (&str, Vec<&(dyn ToSql + Sync)>) = match &secs {
+            None => (&self.claim, vec![&limit, &server_bytes]),
+            Some(secs) => (&self.claim_recovery, vec![&limit, &server_bytes, secs]),
         };
-        let locked = rows.first().map_or(0, |r| r.get::<_, i64>(7));
-        let rows: Vec<ClaimedRow> = rows.iter().map(ClaimedRow::from_row).collect();
-        Ok(Claimed {
-            left: usize::try_from(locked).unwrap_or(usize::MAX) > rows.len(),
-            rows,
-        })
+        let stream = tx.query_raw(sql, params).await?;
+        futures::pin_mut!(stream);
+        let mut claimed = Claimed::default();
+        let (mut read, mut locked) = (0, 0);
+        while let Some(row) = stream.try_next().await? {
+            locked = row.get::<_, i64>(7);
+            if read >= bytes {
+                // Left for the next round; read to the end so the connection stays in step.
+                claimed.left = true;
+                continue;
+            }
+            let row = ClaimedRow::from_row(&row);
+            read += row.payload.as_ref().map_or(0, String::len)
+                + row.metadata.as_ref().map_or(0, String::len);
+            claimed.rows.push(row);
+        }
+        claimed.left |= usize::try_from(locked).unwrap_or(usize::MAX) > claimed.rows.len();
+        Ok(claimed)
     }
 
     /// Marks rows published (rows already marked are left alone).
