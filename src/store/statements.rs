@@ -123,12 +123,15 @@ impl Store {
         // whose statistics are stale.
         //
         // Rows are read in id order until `bytes` (the first row whatever its size): first cut
-        // here by their stored size (`pg_column_size`, which reads no TOAST: the window sorts
-        // ids and sizes only, and only the rows returned are read and cast; found by review:
-        // a window over the text of every locked row wrote twice the batch to temp files),
-        // then by their text as the relay reads it ([`Store::claim`]), since a compressed
-        // payload stores much smaller than it reads. The rows locked past the cut are unlocked
-        // unchanged at commit, for the next round; `locked` tells the poller some were left.
+        // here by their stored size (`pg_column_size`, which reads no TOAST), then by their
+        // text as the relay reads it ([`Store::claim`]), since a compressed payload stores
+        // much smaller than it reads. Nothing sorts text (found by review, twice: a window
+        // over every locked row's text, then a final sort of the returned rows' text, wrote
+        // them to temp files and failed every round under a lower `temp_file_limit`): the
+        // window sorts ids and sizes, the final sort stored values (TOAST pointers), and the
+        // casts run above it (`OFFSET 0` keeps the planner from pulling them below). The rows
+        // locked past the cut are unlocked unchanged at commit, for the next round; `locked`
+        // tells the poller some were left.
         let claim = |extra: &str| {
             let size = "coalesce(pg_column_size(o.payload), 0) \
                         + coalesce(pg_column_size(o.metadata), 0)";
@@ -139,9 +142,12 @@ impl Store {
                  w AS (SELECT o.id, sum({size}) OVER (ORDER BY o.id ROWS UNBOUNDED PRECEDING) \
                           - ({size}) AS before, count(*) OVER () AS locked \
                    FROM {t} o JOIN c ON o.id = c.id) \
-                 SELECT o.id, o.event_id::text, o.event_name, o.payload::text, o.metadata::text, \
-                        o.created_at::text, o.attempts, w.locked \
-                 FROM {t} o JOIN w ON o.id = w.id WHERE w.before < $2 ORDER BY o.id"
+                 SELECT id, event_id::text, event_name, payload::text, metadata::text, \
+                        created_at::text, attempts, locked \
+                 FROM (SELECT o.id, o.event_id, o.event_name, o.payload, o.metadata, \
+                              o.created_at, o.attempts, w.locked \
+                       FROM {t} o JOIN w ON o.id = w.id WHERE w.before < $2 \
+                       ORDER BY o.id OFFSET 0) k"
             )
         };
         Self {
@@ -191,7 +197,9 @@ impl Store {
         while let Some(row) = stream.try_next().await? {
             locked = row.get::<_, i64>(7);
             if read >= bytes {
-                // Left for the next round; read to the end so the connection stays in step.
+                // Left for the next round. The rest of the answer still comes (Postgres has
+                // cast it already; tokio-postgres would read it even if the stream were
+                // dropped): only what is kept is bounded here.
                 claimed.left = true;
                 continue;
             }
