@@ -129,7 +129,8 @@ impl Store {
         // over every locked row's text, then a final sort of the returned rows' text, wrote
         // them to temp files and failed every round under a lower `temp_file_limit`): the
         // window sorts ids and sizes, the final sort stored values (TOAST pointers), and the
-        // casts run above it (`OFFSET 0` keeps the planner from pulling them below). The rows
+        // casts run above it (`OFFSET 0` keeps the planner from pulling them below; the outer
+        // ORDER BY is met by the inner sort, with no sort of its own). The rows
         // locked past the cut are unlocked unchanged at commit, for the next round; `locked`
         // tells the poller some were left.
         let claim = |extra: &str| {
@@ -147,7 +148,7 @@ impl Store {
                  FROM (SELECT o.id, o.event_id, o.event_name, o.payload, o.metadata, \
                               o.created_at, o.attempts, w.locked \
                        FROM {t} o JOIN w ON o.id = w.id WHERE w.before < $2 \
-                       ORDER BY o.id OFFSET 0) k"
+                       ORDER BY o.id OFFSET 0) k ORDER BY id"
             )
         };
         Self {
