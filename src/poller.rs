@@ -35,9 +35,9 @@ pub struct PollerSettings {
     /// batch bound, so that large rows make more writes, each as long as a stream's, instead of
     /// one write that cannot finish within the write timeout on a slow link.
     pub chunk_bytes: usize,
-    /// Payload and metadata bytes a round reads at most (the first row whatever its size): what
-    /// one round holds in memory is about twice this, the rows and their tasks. Rows claimed
-    /// past it are left for the next round, which starts at once.
+    /// Payload and metadata text a round keeps at most (and the row that crosses it; the first
+    /// row whatever its size), beside the tasks built from those rows. Rows claimed past it are
+    /// left for the next round, which starts at once.
     pub claim_bytes: usize,
     /// The idle delay between rounds.
     pub poll_interval: Duration,

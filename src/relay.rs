@@ -86,9 +86,9 @@ pub enum RelayError {
 /// the stream holds while Valkey is slow or down. A poller's write stays within it (a task
 /// larger than it goes alone).
 const BATCH_BYTES: usize = 8 << 20;
-/// Payload and metadata bytes one poll round reads at most: four writes of [`BATCH_BYTES`], so a
-/// poller holds about what the stream's default four batches in flight hold (the rows and their
-/// tasks, about twice this), whatever `OUTBOX_BATCH_SIZE` rows of the largest size would make.
+/// Payload and metadata text one poll round keeps (and the row that crosses it): four writes of
+/// [`BATCH_BYTES`], as many as the stream's default batches in flight, whatever
+/// `OUTBOX_BATCH_SIZE` rows of the largest size would make.
 const POLL_ROUND_BYTES: usize = 4 * BATCH_BYTES;
 /// Replication events buffered between the socket reader and the session: enough to keep the
 /// session busy while it writes, few enough that memory stays small with large rows.

@@ -122,7 +122,7 @@ impl Store {
         // and casts every unpublished row before the LIMIT is far slower on a big backlog
         // whose statistics are stale.
         //
-        // Rows are read in id order until `bytes` (the first row whatever its size): first cut
+        // Rows are kept in id order until `bytes` (the first row whatever its size): first cut
         // here by their stored size (`pg_column_size`, which reads no TOAST), then by their
         // text as the relay reads it ([`Store::claim`]), since a compressed payload stores
         // much smaller than it reads. Nothing sorts text (found by review, twice: a window
@@ -130,9 +130,9 @@ impl Store {
         // them to temp files and failed every round under a lower `temp_file_limit`): the
         // window sorts ids and sizes, the final sort stored values (TOAST pointers), and the
         // casts run above it (`OFFSET 0` keeps the planner from pulling them below; the outer
-        // ORDER BY is met by the inner sort, with no sort of its own). The rows
-        // locked past the cut are unlocked unchanged at commit, for the next round; `locked`
-        // tells the poller some were left.
+        // ORDER BY is met by the inner sort, with no sort of its own). The rows locked past
+        // the cut are unlocked unchanged at commit, for the next round; `locked` tells the
+        // poller some were left.
         let claim = |extra: &str| {
             let size = "coalesce(pg_column_size(o.payload), 0) \
                         + coalesce(pg_column_size(o.metadata), 0)";
