@@ -10,10 +10,6 @@ use super::wire;
 use outbox_relay::replication::source::{ReplicationSource, SlotHolder, SlotPort, SlotState};
 use outbox_relay::replication::stream::StreamError;
 use outbox_relay::store::{Claimed, ClaimedRow, OutboxTable, OutboxTx, StoreError};
-
-/// Every simulated row's payload and metadata, as the claim reads them.
-const SIM_PAYLOAD: &str = "{\"n\":1}";
-const SIM_METADATA: &str = "{}";
 use pgwire_replication::{Lsn, PgWireError, ReplicationEvent};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -21,6 +17,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+/// Every simulated row's payload and metadata, as the claim reads them.
+const SIM_PAYLOAD: &str = "{\"n\":1}";
+const SIM_METADATA: &str = "{}";
 
 /// The outbox's relation id in the simulated catalog.
 const RELATION: u32 = 16390;
