@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --release --example simulate -- --seeds 100000 [--from 1]
 //! cargo run --example simulate -- --seed 4242 --verbose
+//! cargo run --release --example simulate -- --seeds 300 --fail-fast   # stop at the first failure
 //! ```
 
 #[path = "../tests/sim/mod.rs"]
@@ -13,6 +14,7 @@ fn main() {
     let mut from = 1u64;
     let mut seeds = 1000u64;
     let mut opts = sim::Options::default();
+    let mut fail_fast = false;
     while let Some(a) = args.next() {
         let mut num = |what: &str| -> u64 {
             args.next()
@@ -28,6 +30,7 @@ fn main() {
             "--seeds" => seeds = num("--seeds"),
             "--steps" => opts.steps = num("--steps") as usize,
             "--verbose" => opts.verbose = true,
+            "--fail-fast" => fail_fast = true,
             other => {
                 eprintln!("unknown argument {other:?}; see the header of examples/simulate.rs");
                 std::process::exit(2);
@@ -37,7 +40,9 @@ fn main() {
     let started = std::time::Instant::now();
     let (mut rows, mut tasks, mut faults, mut failed) = (0usize, 0usize, 0usize, 0u64);
     let (mut sim_secs, mut peak) = (0u64, 0usize);
+    let mut ran = 0u64;
     for seed in from..from + seeds {
+        ran += 1;
         match sim::run(seed, &opts) {
             Ok(o) => {
                 rows += o.rows;
@@ -52,6 +57,9 @@ fn main() {
             Err(f) => {
                 failed += 1;
                 eprintln!("{f}");
+                if fail_fast {
+                    break;
+                }
             }
         }
         if (seed - from + 1).is_multiple_of(1000) {
@@ -63,7 +71,7 @@ fn main() {
         }
     }
     println!(
-        "{seeds} schedules from seed {from}: {rows} rows, {tasks} tasks, {faults} faults, \
+        "{ran} schedules from seed {from}: {rows} rows, {tasks} tasks, {faults} faults, \
          {sim_secs} simulated seconds, peak bytes held by writes {peak}; {failed} failed, in {:.1?}",
         started.elapsed()
     );

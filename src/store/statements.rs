@@ -22,7 +22,7 @@ pub struct ClaimedRow {
     pub attempts: i32,
 }
 
-/// What one claim read.
+/// What one claim keeps: its rows, and whether the byte bound left locked rows for the next round.
 #[derive(Debug, Clone, Default)]
 pub struct Claimed {
     /// The rows to deliver this round, in id order.
