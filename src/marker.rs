@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 /// Ids per UPDATE at most.
 const MAX_IDS_PER_UPDATE: usize = 10_000;
-/// Ids waiting to be marked at most (8 bytes each).
+/// Ids waiting to be marked at most (24 bytes each, with their event ids: 24 MB).
 const MAX_PENDING_IDS: usize = 1_000_000;
 /// After this long, a trickle of ids (fewer than `BURST_IDS`) is marked at once: steady load
 /// gets small, frequent UPDATEs, whose WAL the walsender decodes without a noticeable pause
@@ -40,7 +40,7 @@ const QUIET: Duration = Duration::from_millis(100);
 /// ...but never longer than this (and a quarter of OUTBOX_RECOVERY_GRACE: rows not yet marked
 /// when the grace ends would be sent again by the recovery poller)...
 pub const MAX_WAIT: Duration = Duration::from_secs(5);
-/// ...or than this many ids (2 MB).
+/// ...or than this many ids (6 MB).
 const FLUSH_IDS: usize = 250_000;
 /// Ids an UPDATE did not find are retried after this, this many times.
 const MISS_DELAY: Duration = Duration::from_millis(200);

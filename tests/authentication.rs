@@ -46,6 +46,26 @@ async fn scram_role_and_a_valkey_acl_user_limited_to_the_relays_commands() {
     assert!(msg.contains("password authentication failed"), "{msg}");
 }
 
+/// No MD5 on the replication connection (docs/configuration.md): the vendored pgwire-replication
+/// is built without its `md5` feature, so a server that asks for MD5 is refused with a message
+/// that says so, and the relay stops (an authentication refusal is not retried). The SQL
+/// connections (tokio-postgres) do MD5, so the relay gets as far as the replication connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_asking_for_md5_is_refused_on_the_replication_connection() {
+    let pg = OwnPg::start(&["-c", "password_encryption=md5"]);
+    pg.set_hba(
+        "local all all trust\n\
+         host all postgres 127.0.0.1/32 trust\n\
+         host all all 127.0.0.1/32 md5\n",
+    )
+    .await;
+    let db = TestDb::on(&pg.url, "md5", true).await;
+    let role = db.least_privilege_role_with_password("md5-pw").await;
+    let redis = Redis::start();
+    let msg = Relay::failure(run_args(&role, &redis.url, &[])).await;
+    assert!(msg.contains("unsupported auth method code: 5"), "{msg}");
+}
+
 /// The commands docs/configuration.md gives the relay's Valkey user: the sink (and the commands
 /// its enqueue script runs, HMGET for the order fence), the monitor, status, peek.
 const RELAY_COMMANDS: &[&str] = &[

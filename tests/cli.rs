@@ -107,6 +107,14 @@ fn command_line_mistakes_get_messages_that_help() {
     assert_eq!(code, 1, "{err}");
     let (code, _, err) = run_command(&["cleanup", "--older-than", "1.s"], &db);
     assert_eq!(code, 2, "{err}");
+
+    // A libpq parameter tokio-postgres does not know is refused at start, before any
+    // connection (docs/configuration.md), not ignored.
+    for param in ["sslcrl=/etc/crl.pem", "sslpassword=x"] {
+        let url = format!("{NO_POSTGRES}?{param}");
+        let (code, _, err) = run_command(&["status"], &[("OUTBOX_DATABASE_URL", &url)]);
+        assert_eq!(code, 2, "{param}: {err}");
+    }
 }
 
 #[test]

@@ -554,3 +554,24 @@ fn reliability_md_names_only_existing_tests() {
     assert!(named >= 20, "only {named} test names found in the section");
     assert!(missing.is_empty(), "no such test: {missing:?}");
 }
+
+/// docs/task-format.md shows the enqueue script the relay runs, not an older one: the ```lua
+/// block under "### The enqueue script" is `ENQUEUE_SCRIPT`, line for line.
+#[test]
+fn task_format_md_shows_the_enqueue_script_the_relay_runs() {
+    let doc = read("docs/task-format.md");
+    let section = doc
+        .split_once("### The enqueue script")
+        .expect("task-format.md has an enqueue script section")
+        .1;
+    let block = section
+        .split_once("```lua\n")
+        .and_then(|(_, rest)| rest.split_once("\n```"))
+        .expect("the section holds a ```lua block")
+        .0;
+    assert_eq!(
+        block.trim(),
+        outbox_relay::sink::valkey::ENQUEUE_SCRIPT.trim(),
+        "docs/task-format.md's enqueue script differs from src/sink/valkey.rs's ENQUEUE_SCRIPT"
+    );
+}

@@ -4,6 +4,10 @@
 //! records when the stream asks for the slot, and checks the delays between attempts double
 //! from 200 ms (less up to 25% jitter) and then stay at the cap, 30 s (22.5 s to 30 s).
 //! Raising the cap in src/replication/stream.rs, or dropping it, fails this test.
+//!
+//! A session that streamed (it opened the slot) and then lost its connection starts the delay
+//! afresh: with a connection lost right after each opening, every attempt follows the one
+//! before after the first step, 200 ms (less jitter), however long it goes on.
 
 use outbox_relay::config::OnSlotLost;
 use outbox_relay::metrics::Metrics;
@@ -85,14 +89,9 @@ impl Sink for NoSink {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn reconnect_delays_double_up_to_the_30_second_cap_and_stay_there() {
-    let port = DownPort::default();
-    let metrics = Arc::new(Metrics::new(
-        &mut prometheus_client::registry::Registry::default(),
-    ));
-    let stream = Stream {
-        port: port.clone(),
+fn stream_on<P: SlotPort>(port: P, metrics: Arc<Metrics>) -> Stream<P, NoSink> {
+    Stream {
+        port,
         settings: StreamSettings {
             slot: "outbox_relay".into(),
             table: TableName::parse("public.outbox_events").unwrap(),
@@ -108,11 +107,15 @@ async fn reconnect_delays_double_up_to_the_30_second_cap_and_stay_there() {
         },
         tasks: Arc::new(TaskSettings::default()),
         sink: NoSink,
-        metrics: metrics.clone(),
+        metrics,
         marker: None,
         shared_ids: None,
         slot_watch: Default::default(),
-    };
+    }
+}
+
+/// Runs `stream` for ten minutes of the paused clock, then stops it.
+async fn run_ten_minutes<P: SlotPort>(stream: Stream<P, NoSink>) {
     let shutdown = CancellationToken::new();
     let stop = shutdown.clone();
     tokio::spawn(async move {
@@ -120,6 +123,15 @@ async fn reconnect_delays_double_up_to_the_30_second_cap_and_stay_there() {
         stop.cancel();
     });
     stream.run(shutdown).await.expect("a clean stop");
+}
+
+#[tokio::test(start_paused = true)]
+async fn reconnect_delays_double_up_to_the_30_second_cap_and_stay_there() {
+    let port = DownPort::default();
+    let metrics = Arc::new(Metrics::new(
+        &mut prometheus_client::registry::Registry::default(),
+    ));
+    run_ten_minutes(stream_on(port.clone(), metrics.clone())).await;
 
     let attempts = port.attempts.lock().unwrap().clone();
     let gaps: Vec<f64> = attempts
@@ -152,4 +164,80 @@ async fn reconnect_delays_double_up_to_the_30_second_cap_and_stay_there() {
         gaps.len() as u64 + 1,
         "each failed attempt counted once as a reconnect"
     );
+}
+
+/// A replication connection lost as soon as it is read.
+struct LostSource;
+
+impl ReplicationSource for LostSource {
+    async fn recv(&mut self) -> Result<Option<ReplicationEvent>, PgWireError> {
+        Err(PgWireError::Io(Arc::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "connection reset by peer",
+        ))))
+    }
+    fn update_applied_lsn(&self, _: Lsn) {}
+    fn feedback_pending(&self) -> bool {
+        false
+    }
+    async fn shutdown(&mut self) {}
+}
+
+/// A Postgres whose slot opens every time, on a connection that is then lost; records when the
+/// slot was opened.
+#[derive(Clone, Default)]
+struct LosingPort {
+    opened: Arc<Mutex<Vec<Instant>>>,
+}
+
+impl SlotPort for LosingPort {
+    type Source = LostSource;
+
+    fn publication(&self) -> &str {
+        "outbox_relay"
+    }
+    async fn state(&self) -> Result<SlotState, StreamError> {
+        Ok(SlotState::Ready(Lsn(0x1000)))
+    }
+    async fn recreate(&self) -> Result<Lsn, StreamError> {
+        unreachable!("the slot is there")
+    }
+    async fn open(&self, _: Lsn, _: &CancellationToken) -> Result<Option<LostSource>, StreamError> {
+        self.opened.lock().unwrap().push(Instant::now());
+        Ok(Some(LostSource))
+    }
+    async fn holder(&self) -> Result<Option<SlotHolder>, StreamError> {
+        Ok(None)
+    }
+    async fn terminate(&self, _: i32) -> Result<(), StreamError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_session_that_streamed_starts_the_delay_afresh() {
+    let port = LosingPort::default();
+    let metrics = Arc::new(Metrics::new(
+        &mut prometheus_client::registry::Registry::default(),
+    ));
+    run_ten_minutes(stream_on(port.clone(), metrics)).await;
+
+    let opened = port.opened.lock().unwrap().clone();
+    let gaps: Vec<f64> = opened
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_secs_f64())
+        .collect();
+    // Ten minutes at one attempt every 150 to 200 ms: some 3,000; a delay that grew would give
+    // a few dozen.
+    assert!(
+        gaps.len() > 2_000,
+        "{} sessions in ten minutes",
+        opened.len()
+    );
+    for (i, &gap) in gaps.iter().enumerate() {
+        assert!(
+            (0.15 - 1e-3..=0.2 + 1e-3).contains(&gap),
+            "session {i}: waited {gap:.3} s after a session that streamed, expected 0.150..0.200 s"
+        );
+    }
 }
