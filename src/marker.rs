@@ -206,7 +206,19 @@ impl<T: OutboxTable> Marker<T> {
             return Ok(());
         }
         let marked: HashSet<i64> = marked.into_iter().collect();
-        let tries: std::collections::HashMap<Delivered, u8> = self.missed.drain(..).collect();
+        // The tries left of this UPDATE's rows that were missed before. Misses of earlier
+        // UPDATEs not in this one stay as they are, due at `retry_at` (found by review: taking
+        // them all here dropped them, and under steady load each partial miss dropped the
+        // misses before it, leaving those rows to the recovery poller).
+        let this: HashSet<Delivered> = ids.iter().copied().collect();
+        let mut tries = std::collections::HashMap::new();
+        self.missed.retain(|&(row, left)| {
+            let ours = this.contains(&row);
+            if ours {
+                tries.insert(row, left);
+            }
+            !ours
+        });
         for &row in ids {
             if marked.contains(&row.0) {
                 continue;

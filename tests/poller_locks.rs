@@ -109,3 +109,48 @@ async fn a_poller_cut_off_while_holding_row_locks_releases_them() {
     b.stop().await;
     drop(a);
 }
+
+/// The relay's sessions run READ COMMITTED whatever the database's default (found by review):
+/// under SERIALIZABLE or REPEATABLE READ, `FOR UPDATE SKIP LOCKED` fails with 40001 on a row
+/// another poller marked after the claim's snapshot, and the marker's UPDATEs likewise. Here
+/// the database defaults to SERIALIZABLE: a plain session has it, the relay's pool does not,
+/// and a relay streams and marks on it (its replication connection takes the same options).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relays_sessions_read_committed_whatever_the_database_default() {
+    let db = TestDb::new("isolation").await;
+    let admin = db.client().await;
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} SET default_transaction_isolation = 'serializable'",
+            db.name
+        ))
+        .await
+        .unwrap();
+    let plain = db.client().await;
+    let shown: String = plain
+        .query_one("SHOW default_transaction_isolation", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        shown, "serializable",
+        "the database's default, as a plain session has it"
+    );
+    let target = outbox_relay::postgres::PgTarget::parse(&db.url).unwrap();
+    let pool = target.pool(1);
+    let relays = pool.get().await.unwrap();
+    let shown: String = relays
+        .query_one("SHOW default_transaction_isolation", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(shown, "read committed", "the relay's own sessions");
+    let redis = Redis::start();
+    let relay =
+        Relay::start_streaming(run_args(&db, &redis.url, &["--recovery-grace", "1s"])).await;
+    let mut c = db.client().await;
+    let ids = insert_events(&mut c, "isolation.rc", 20, 5).await;
+    assert_eq!(wait_pending(&redis, "default", 20).await, ids);
+    wait_all_published(&c).await;
+    relay.stop().await;
+}

@@ -387,6 +387,73 @@ async fn an_id_that_is_not_bigint_is_refused_before_the_slot_exists() {
     }
 }
 
+/// The other columns whose type the relay relies on are checked at start as `id` is (found by
+/// review: each of these started without a word): an `event_id` of text made every mark fail, so
+/// the recovery poller sent every streamed row again; a `created_at` without a time zone made
+/// every row a bad row; a text payload could make tasks the consumers cannot decode. A domain
+/// over the right type is that type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn columns_of_the_wrong_type_are_refused_before_the_slot_exists() {
+    for (name, from, to, found) in [
+        (
+            "evtext",
+            "event_id     uuid",
+            "event_id     text",
+            "column event_id is text, not uuid",
+        ),
+        (
+            "catnotz",
+            "created_at   timestamptz",
+            "created_at   timestamp",
+            "column created_at is timestamp without time zone, not timestamp with time zone",
+        ),
+        (
+            "pltext",
+            "payload      jsonb",
+            "payload      text",
+            "column payload is text, not jsonb",
+        ),
+    ] {
+        let db = TestDb::on(&shared_pg_url(), name, false).await;
+        let columns = COLUMNS_BUT_ID.replace(from, to);
+        assert_ne!(columns, COLUMNS_BUT_ID, "{from}");
+        db.client()
+            .await
+            .batch_execute(&format!(
+                "CREATE TABLE outbox_events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
+                 {columns})"
+            ))
+            .await
+            .unwrap();
+        let redis = Redis::start();
+        let msg = Relay::failure(run_args(&db, &redis.url, &[])).await;
+        assert!(msg.contains(found), "{name}: {msg}");
+        assert!(msg.contains("ALTER TABLE"), "{name}: {msg}");
+        assert!(
+            !slot_exists(&db).await,
+            "{name}: the refused run left a slot behind"
+        );
+    }
+    // A domain over json is json, a plain json payload is accepted: the relay streams from it.
+    let db = TestDb::on(&shared_pg_url(), "pldomain", false).await;
+    let columns = COLUMNS_BUT_ID.replace("payload      jsonb", "payload      body_json");
+    db.client()
+        .await
+        .batch_execute(&format!(
+            "CREATE DOMAIN body_json AS json; \
+             CREATE TABLE outbox_events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
+             {columns})"
+        ))
+        .await
+        .unwrap();
+    let redis = Redis::start();
+    let relay = Relay::start_streaming(run_args(&db, &redis.url, &[])).await;
+    let mut c = db.client().await;
+    let ids = insert_events(&mut c, "domain.json", 3, 3).await;
+    assert_eq!(wait_pending(&redis, "default", 3).await, ids);
+    relay.stop().await;
+}
+
 /// An outbox without `id` is refused too: the poller claims rows by it, so rows left to it would
 /// wait for ever (found by review: poll mode logged a failed round for ever and sent nothing).
 /// A domain over bigint is a bigint: accepted, and the poller delivers through it.

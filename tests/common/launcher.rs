@@ -142,9 +142,11 @@ impl Relay {
     /// Runs a relay that must fail (at start-up, or when `args` make it stop); returns its
     /// error with every cause.
     pub async fn failure(args: RunArgs) -> String {
-        let err = Self::start(args)
-            .join()
+        // A relay that does not stop fails the test instead of hanging it (a hang guard, far
+        // above any refusal's time, not a measurement).
+        let err = tokio::time::timeout(Duration::from_secs(300), Self::start(args).join())
             .await
+            .expect("the relay should have failed, and was still running after 300 s")
             .expect_err("the relay should have failed");
         outbox_relay::error_chain(&err)
     }
