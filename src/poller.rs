@@ -54,12 +54,16 @@ pub struct PollerSettings {
 impl PollerSettings {
     /// The longest a round's transaction may legitimately stay idle between two statements: its
     /// chunks' Valkey writes, one after another with no statement between them, each bounded by
-    /// the write timeout; plus `link_timeout` for the rest (building tasks, a slow answer). The
+    /// the write timeout and the time of its bytes, at most `chunk_bytes`, on the slowest link
+    /// allowed for ([`crate::valkey::write_deadline`]); plus `link_timeout` for the rest
+    /// (building tasks, a slow answer). The
     /// server ends a poll transaction idle longer than this (see [`crate::store::pg::TxLimits`]):
     /// its client was cut off, and its row locks must go so that another poller can deliver.
     pub fn idle_in_transaction_bound(&self, link_timeout: Duration) -> Duration {
         let chunks = u32::try_from(self.writes_between_statements()).unwrap_or(u32::MAX);
-        self.write_timeout.saturating_mul(chunks) + link_timeout
+        crate::valkey::write_deadline(self.write_timeout, self.chunk_bytes as u64)
+            .saturating_mul(chunks)
+            + link_timeout
     }
 
     /// Valkey writes a round makes with no statement between them, at most: a full batch cut
@@ -262,7 +266,7 @@ impl<T: OutboxTable, S: Sink> Poller<T, S> {
             for (_, task) in chunk {
                 batch.push(task.clone());
             }
-            let limit = s.write_timeout;
+            let limit = crate::valkey::write_deadline(s.write_timeout, batch.bytes as u64);
             let written = match tokio::time::timeout(limit, self.sink.write(Arc::new(batch))).await
             {
                 Ok(r) => r,
@@ -407,10 +411,11 @@ mod tests {
             attempt_backoff: Duration::from_secs(1),
             write_timeout: Duration::from_secs(15),
         };
-        // The defaults: five chunks of 3 x 5 s, and 30 s.
+        // The defaults: five chunks of 3 x 5 s and 8 s for 8 MiB on the slowest link allowed
+        // for, and 30 s.
         assert_eq!(
             settings.idle_in_transaction_bound(Duration::from_secs(30)),
-            Duration::from_secs(105)
+            Duration::from_secs(145)
         );
         let partial = PollerSettings {
             batch_size: 101,
@@ -418,7 +423,7 @@ mod tests {
         };
         assert_eq!(
             partial.idle_in_transaction_bound(Duration::from_secs(3)),
-            Duration::from_secs(33)
+            Duration::from_secs(49)
         );
     }
 

@@ -29,9 +29,11 @@
 
 mod cluster_link;
 mod link;
+mod write_deadline;
 
 pub use cluster_link::ClusterLink;
 pub use link::Link;
+pub use write_deadline::{write_deadline, SLOWEST_LINK_BYTES_PER_SEC};
 
 use redis::aio::ConnectionLike;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};

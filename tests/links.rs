@@ -1027,3 +1027,50 @@ async fn a_stalled_walsender_is_found_by_the_receive_deadline() {
     );
     relay.stop().await;
 }
+
+/// Large rows over a slow Valkey link are delivered (found by review): a write's deadline was
+/// the Valkey timeout alone, counted from the moment the write was queued, so a backlog's
+/// batches of 8 MiB could never cross a link too slow for 8 MiB in that time. They timed out,
+/// were sent again and timed out again for ever: nothing acknowledged, WAL pinned. Now a
+/// write's deadline adds the time its bytes, and those queued before it, take at 1 MiB/s.
+/// Here 24 rows of 512 KiB are waiting when the relay starts, Valkey is behind a 2 MiB/s link
+/// and `--valkey-timeout 1s`: the first batch, 16 rows (8 MiB), needs about 4 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_batches_cross_a_slow_valkey_link() {
+    let db = TestDb::new("l_vslow").await;
+    let redis = Redis::start();
+    let proxy = Proxy::in_front_of(&redis.url).await;
+    proxy.set_rate(Some(2 << 20));
+    // The slot first, so that the rows inserted next wait in it.
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &proxy.url_through(&redis.url),
+        &["--recovery-grace", "1h", "--valkey-timeout", "1s"],
+    ))
+    .await;
+    relay.stop().await;
+    let c = db.client().await;
+    c.batch_execute(
+        "INSERT INTO outbox_events (event_id, event_name, payload) \
+         SELECT gen_random_uuid(), 'large.row', to_jsonb(repeat(md5(g::text), 16384)) \
+         FROM generate_series(1, 24) g",
+    )
+    .await
+    .unwrap();
+    let relay = Relay::start_streaming(run_args(
+        &db,
+        &proxy.url_through(&redis.url),
+        &["--recovery-grace", "1h", "--valkey-timeout", "1s"],
+    ))
+    .await;
+    eventually("24 large rows delivered over the slow link", || async {
+        let mut conn = redis.conn().await;
+        (pending_ids(&mut conn, "default").await.len() == 24).then_some(())
+    })
+    .await;
+    println!(
+        "SLOW-VALKEY-LINK write_errors={}",
+        relay.metrics.write_errors.get()
+    );
+    relay.stop().await;
+}

@@ -144,7 +144,8 @@ impl<S: Sink> Writer<S> {
         // While backing off nothing is written: the retry re-sends every unconfirmed batch, in
         // order, this one included.
         if self.retry_at.is_none() {
-            let fut = self.write(seq, batch);
+            // Every unconfirmed batch is under way before it on the connection.
+            let fut = self.write(seq, batch, self.bytes);
             self.inflight.push_back(fut);
             self.newest_write_at = Some(Instant::now());
         }
@@ -152,9 +153,16 @@ impl<S: Sink> Writer<S> {
         Ok(())
     }
 
-    fn write(&self, seq: u64, batch: Arc<Batch>) -> BoxFuture<'static, WriteResult> {
+    /// Writes batch `seq`; `through`: its bytes and those of the batches under way before it,
+    /// which its deadline allows for ([`crate::valkey::write_deadline`]).
+    fn write(
+        &self,
+        seq: u64,
+        batch: Arc<Batch>,
+        through: usize,
+    ) -> BoxFuture<'static, WriteResult> {
         let write = self.sink.write(batch);
-        let limit = self.write_timeout;
+        let limit = crate::valkey::write_deadline(self.write_timeout, through as u64);
         Box::pin(async move {
             let started = Instant::now();
             let result = match tokio::time::timeout(limit, write).await {
@@ -186,8 +194,10 @@ impl<S: Sink> Writer<S> {
                 // writes start new order chains, so that a call refused before (and every later
                 // one, refused after it) can land now.
                 self.sink.restart_order();
+                let mut through = 0;
                 for (seq, batch) in &self.unconfirmed {
-                    let fut = self.write(*seq, batch.clone());
+                    through += batch.bytes;
+                    let fut = self.write(*seq, batch.clone(), through);
                     self.inflight.push_back(fut);
                 }
                 self.newest_write_at = Some(Instant::now());

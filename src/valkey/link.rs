@@ -44,6 +44,9 @@ struct Inner {
     config: redis::AsyncConnectionConfig,
     timeout: Duration,
     db: i64,
+    /// Bytes of the pipelines under way on this link: a pipeline's reply waits for theirs, so
+    /// its deadline counts them ([`super::write_deadline`]).
+    pipelined: Arc<AtomicU64>,
 }
 
 impl Link {
@@ -59,6 +62,7 @@ impl Link {
                     .set_connection_timeout(Some(timeout)),
                 timeout,
                 db,
+                pipelined: Arc::default(),
             }),
         }
     }
@@ -194,7 +198,12 @@ impl ConnectionLike for Link {
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
             let (generation, mut conn) = self.current().await?;
+            // The client's response timeout runs from the moment the pipeline is queued, so it
+            // covers sending it, and the pipelines ahead of it, too.
+            let under_way = UnderWay::add(&self.inner.pipelined, pipeline_bytes(pipeline));
+            conn.set_response_timeout(super::write_deadline(self.inner.timeout, under_way.total()));
             let result = conn.req_packed_commands(pipeline, offset, count).await;
+            drop(under_way);
             self.check(generation, &result, |values: &Vec<Value>| {
                 values.iter().any(demoted)
             });
@@ -204,6 +213,46 @@ impl ConnectionLike for Link {
 
     fn get_db(&self) -> i64 {
         self.inner.db
+    }
+}
+
+/// The bytes of a pipeline's arguments (what it sends, less the protocol's framing).
+fn pipeline_bytes(pipeline: &redis::Pipeline) -> u64 {
+    pipeline
+        .cmd_iter()
+        .flat_map(Cmd::args_iter)
+        .map(|arg| match arg {
+            redis::Arg::Simple(bytes) => bytes.len() as u64,
+            _ => 0,
+        })
+        .sum()
+}
+
+/// A pipeline's bytes counted as under way on a link until dropped (answered, failed, or its
+/// future dropped).
+struct UnderWay {
+    counter: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl UnderWay {
+    fn add(counter: &Arc<AtomicU64>, bytes: u64) -> Self {
+        counter.fetch_add(bytes, Ordering::Relaxed);
+        Self {
+            counter: counter.clone(),
+            bytes,
+        }
+    }
+
+    /// This pipeline's bytes and those of every other under way now.
+    fn total(&self) -> u64 {
+        self.counter.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for UnderWay {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 

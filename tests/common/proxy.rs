@@ -47,6 +47,8 @@ struct Faults {
     /// Connections accepted before this many are black-holed, whatever their kind (a flow
     /// that died while new ones get through).
     stalled_below: u64,
+    /// Bytes per second at most from each client to the target (a slow link), if set.
+    rate: Option<u64>,
 }
 
 /// A running proxy; dropping it stops accepting and resets its connections.
@@ -71,6 +73,7 @@ impl Proxy {
             replication: Fault::Pass,
             other: Fault::Pass,
             stalled_below: 0,
+            rate: None,
         });
         let (resets, _) = watch::channel(0u64);
         let accepted = Arc::new(AtomicU64::new(0));
@@ -122,13 +125,19 @@ impl Proxy {
         u.to_string()
     }
 
-    /// The same fault on every connection (and no more stalled ones).
+    /// The same fault on every connection (and no more stalled ones; a rate stays).
     pub fn set(&self, fault: Fault) {
-        self.fault.send_replace(Faults {
-            replication: fault,
-            other: fault,
-            stalled_below: 0,
+        self.fault.send_modify(|f| {
+            f.replication = fault;
+            f.other = fault;
+            f.stalled_below = 0;
         });
+    }
+
+    /// Forwards at most `bytes_per_sec` from each client to the target (`None`: as fast as it
+    /// comes): a slow link, whose sender's socket fills as TCP's window would.
+    pub fn set_rate(&self, bytes_per_sec: Option<u64>) {
+        self.fault.send_modify(|f| f.rate = bytes_per_sec);
     }
 
     /// Black-holes the connections open now; new ones pass (until [`set`](Self::set)).
@@ -376,6 +385,11 @@ async fn pump(
             }
             if let Some(held) = held {
                 held.forwarded();
+            }
+            let rate = link.fault.borrow().rate;
+            if let (true, Some(rate)) = (up, rate) {
+                let secs = bytes.len() as f64 / rate.max(1) as f64;
+                tokio::time::sleep(Duration::from_secs_f64(secs)).await;
             }
         }
     };
