@@ -103,7 +103,7 @@ pub fn render_dead_letters(rows: &[DeadLetter]) -> String {
 /// is not a bigint would make these commands fail on their first row).
 async fn checked_connect(db: &DatabaseArgs) -> Result<tokio_postgres::Client, CommandError> {
     let client = db.target()?.connect().await?;
-    setup::check_table(&client, &db.table)
+    setup::check_table(&client, &db.table, false)
         .await
         .map_err(RelayError::from)?;
     Ok(client)

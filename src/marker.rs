@@ -27,6 +27,9 @@ use tokio_util::sync::CancellationToken;
 const MAX_IDS_PER_UPDATE: usize = 10_000;
 /// Ids waiting to be marked at most (24 bytes each, with their event ids: 24 MB).
 const MAX_PENDING_IDS: usize = 1_000_000;
+/// Ids an UPDATE did not find, kept to be tried again, at most (2.4 MB); beyond that they are
+/// dropped and counted as the ids past `MAX_PENDING_IDS` are.
+const MAX_MISSED_IDS: usize = 100_000;
 /// After this long, a trickle of ids (fewer than `BURST_IDS`) is marked at once: steady load
 /// gets small, frequent UPDATEs, whose WAL the walsender decodes without a noticeable pause
 /// (at 5,000 events/s, 100 ms made the p99 latency 3 to 5 times that of 20 ms).
@@ -132,12 +135,14 @@ impl<T: OutboxTable> Marker<T> {
                     let _ = self.flush(&ids, false).await;
                     return;
                 }
-                _ = self.shared.notify.notified() => self.gather().await,
+                // Before new ids: under a steady stream a notification is always waiting, and
+                // the retries must not starve behind it (found by review: the misses piled up
+                // until the stream went quiet).
                 _ = sleep_until_opt(retry) => {
                     self.retry_at = None;
-                    let again: Vec<Delivered> = self.missed.iter().map(|(row, _)| *row).collect();
-                    self.shared.ids.lock().expect("marker lock").extend(again);
+                    self.requeue_misses();
                 }
+                _ = self.shared.notify.notified() => self.gather().await,
             }
             // What is due now, not what arrives meanwhile: ids the stream queues during these
             // UPDATEs wait for the next quiet moment (a backlog keeps the stream busy).
@@ -224,14 +229,33 @@ impl<T: OutboxTable> Marker<T> {
                 continue;
             }
             let left = tries.get(&row).copied().unwrap_or(MISS_TRIES);
-            if left > 0 {
-                self.missed.push((row, left - 1));
+            if left == 0 {
+                continue;
             }
+            if self.missed.len() >= MAX_MISSED_IDS {
+                // Bounded as the ids waiting are: the recovery poller re-sends the row.
+                self.metrics.mark_dropped.inc();
+                continue;
+            }
+            self.missed.push((row, left - 1));
         }
         if !self.missed.is_empty() && self.retry_at.is_none() {
             self.retry_at = Some(Instant::now() + MISS_DELAY);
         }
         Ok(())
+    }
+
+    /// Queues the missed ids again (their tries stay in the miss list), within the bound of
+    /// ids waiting: those that do not fit are dropped and counted.
+    fn requeue_misses(&mut self) {
+        let mut pending = self.shared.ids.lock().expect("marker lock");
+        let room = MAX_PENDING_IDS.saturating_sub(pending.len());
+        if self.missed.len() > room {
+            let dropped = self.missed.len() - room;
+            self.metrics.mark_dropped.inc_by(dropped as u64);
+            self.missed.truncate(room);
+        }
+        pending.extend(self.missed.iter().map(|(row, _)| *row));
     }
 
     fn forget_misses(&mut self, marked: &[i64]) {

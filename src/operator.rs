@@ -103,7 +103,7 @@ pub async fn connect(
     valkey: &ValkeyArgs,
 ) -> Result<(tokio_postgres::Client, ValkeyConnection), OperatorError> {
     let client = db.target()?.connect().await?;
-    setup::check_table(&client, &db.table).await?;
+    setup::check_table(&client, &db.table, false).await?;
     setup::check_poller_columns(&client, &db.table).await?;
     let conn = valkey
         .target()?

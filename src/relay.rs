@@ -126,7 +126,8 @@ pub async fn prepare(args: &RunArgs) -> Result<(PgTarget, ValkeySink, TableName)
     let pg = args.db.target()?.with_link_timeout(args.link_timeout);
     let valkey_target = args.valkey.target()?;
     let client = pg.connect().await?;
-    setup::check_table(&client, &args.db.table).await?;
+    let payload_is_json = args.payload_format == crate::task::PayloadFormat::Envelope;
+    setup::check_table(&client, &args.db.table, payload_is_json).await?;
     let table = setup::resolve_table(&client, &args.db.table).await?;
     if args.mode == Mode::Poll || args.recovery {
         setup::check_poller_columns(&client, &table).await?;

@@ -42,7 +42,8 @@ async fn a_poller_cut_off_while_holding_row_locks_releases_them() {
     let pg_proxy = Proxy::in_front_of(&db.url).await;
     let valkey_proxy = Proxy::in_front_of(&redis.url).await;
     // Poll mode, one poller, one chunk per round: its transaction may stay idle for one Valkey
-    // write (3 x 2 s) plus the link timeout (3 s), 9 s, before the server ends it.
+    // write (3 x 2 s, plus 8 s for 8 MiB at 1 MiB/s) plus the link timeout (3 s), 17 s, before
+    // the server ends it.
     let flags = [
         "--mode",
         "poll",

@@ -434,13 +434,14 @@ async fn columns_of_the_wrong_type_are_refused_before_the_slot_exists() {
             "{name}: the refused run left a slot behind"
         );
     }
-    // A domain over json is json, a plain json payload is accepted: the relay streams from it.
+    // A domain over a domain over json is json (found by review: the base of the first domain
+    // only was read), and a json payload is accepted: the relay streams from it.
     let db = TestDb::on(&shared_pg_url(), "pldomain", false).await;
     let columns = COLUMNS_BUT_ID.replace("payload      jsonb", "payload      body_json");
     db.client()
         .await
         .batch_execute(&format!(
-            "CREATE DOMAIN body_json AS json; \
+            "CREATE DOMAIN inner_json AS json; CREATE DOMAIN body_json AS inner_json; \
              CREATE TABLE outbox_events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
              {columns})"
         ))
@@ -451,6 +452,27 @@ async fn columns_of_the_wrong_type_are_refused_before_the_slot_exists() {
     let mut c = db.client().await;
     let ids = insert_events(&mut c, "domain.json", 3, 3).await;
     assert_eq!(wait_pending(&redis, "default", 3).await, ids);
+    relay.stop().await;
+
+    // With `--payload-format raw` the payload is copied as it is, not into JSON: a text payload
+    // is accepted, as it was before the check.
+    let db = TestDb::on(&shared_pg_url(), "plraw", false).await;
+    let columns = COLUMNS_BUT_ID.replace("payload      jsonb", "payload      text");
+    db.client()
+        .await
+        .batch_execute(&format!(
+            "CREATE TABLE outbox_events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
+             {columns})"
+        ))
+        .await
+        .unwrap();
+    let relay =
+        Relay::start_streaming(run_args(&db, &redis.url, &["--payload-format", "raw"])).await;
+    let mut c = db.client().await;
+    let ids = insert_events(&mut c, "raw.text", 3, 3).await;
+    assert_eq!(wait_pending(&redis, "default", 6).await.len(), 6);
+    let mut conn = redis.conn().await;
+    assert!(task(&mut conn, "default", &ids[0]).await.is_some());
     relay.stop().await;
 }
 

@@ -289,7 +289,14 @@ const COLUMN_TYPES: &[(&str, &[&str], &str)] = &[
 ];
 
 /// Checks the table exists and has the columns a task is built from.
-pub async fn check_table(client: &Client, table: &TableName) -> Result<(), SetupError> {
+///
+/// `payload_is_json`: the payload goes into the Envelope as JSON (`OUTBOX_PAYLOAD_FORMAT=envelope`),
+/// so it must be `jsonb` or `json`; with `raw` (and for the operator commands) any type is left.
+pub async fn check_table(
+    client: &Client,
+    table: &TableName,
+    payload_is_json: bool,
+) -> Result<(), SetupError> {
     let row = client
         .query_one("SELECT to_regclass($1)::oid", &[&table.sql()])
         .await?;
@@ -299,10 +306,16 @@ pub async fn check_table(client: &Client, table: &TableName) -> Result<(), Setup
     };
     let rows = client
         .query(
-            // A domain counts as its base type (a domain over bigint reads as a bigint).
-            "SELECT a.attname::text, format_type(COALESCE(NULLIF(t.typbasetype, 0), a.atttypid), NULL) \
-             FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
-             WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped",
+            // A domain counts as its base type, through domains over domains (a domain over
+            // bigint reads as a bigint).
+            "WITH RECURSIVE base(attname, typ, depth) AS ( \
+                 SELECT a.attname::text, a.atttypid, 0 FROM pg_attribute a \
+                 WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped \
+               UNION ALL \
+                 SELECT b.attname, t.typbasetype, b.depth + 1 FROM base b \
+                 JOIN pg_type t ON t.oid = b.typ WHERE t.typbasetype <> 0) \
+             SELECT DISTINCT ON (attname) attname, format_type(typ, NULL) FROM base \
+             ORDER BY attname, depth DESC",
             &[&oid],
         )
         .await?;
@@ -339,6 +352,9 @@ pub async fn check_table(client: &Client, table: &TableName) -> Result<(), Setup
     // and each of these failed every row without a word at start). Domains count as their base
     // type.
     for &(column, accepted, why) in COLUMN_TYPES {
+        if column == "payload" && !payload_is_json {
+            continue;
+        }
         if let Some((_, found)) = have.iter().find(|(name, _)| name == column) {
             if !accepted.contains(&found.as_str()) {
                 return Err(SetupError::ColumnType {

@@ -44,8 +44,8 @@ struct Inner {
     config: redis::AsyncConnectionConfig,
     timeout: Duration,
     db: i64,
-    /// Bytes of the pipelines under way on this link: a pipeline's reply waits for theirs, so
-    /// its deadline counts them ([`super::write_deadline`]).
+    /// Bytes of the commands and pipelines under way on this link: a command's reply waits for
+    /// theirs, so its deadline counts them ([`super::write_deadline`]).
     pipelined: Arc<AtomicU64>,
 }
 
@@ -184,7 +184,13 @@ impl ConnectionLike for Link {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
             let (generation, mut conn) = self.current().await?;
+            // Behind the pipelines under way, as a pipeline is (found by review: the health
+            // check's PING, queued behind a poller's large write on a slow link, timed out and
+            // dropped a connection that was delivering).
+            let under_way = UnderWay::add(&self.inner.pipelined, args_bytes(cmd));
+            conn.set_response_timeout(super::write_deadline(self.inner.timeout, under_way.total()));
             let result = conn.req_packed_command(cmd).await;
+            drop(under_way);
             self.check(generation, &result, demoted);
             result
         })
@@ -218,9 +224,12 @@ impl ConnectionLike for Link {
 
 /// The bytes of a pipeline's arguments (what it sends, less the protocol's framing).
 fn pipeline_bytes(pipeline: &redis::Pipeline) -> u64 {
-    pipeline
-        .cmd_iter()
-        .flat_map(Cmd::args_iter)
+    pipeline.cmd_iter().map(args_bytes).sum()
+}
+
+/// The bytes of a command's arguments.
+fn args_bytes(cmd: &Cmd) -> u64 {
+    cmd.args_iter()
         .map(|arg| match arg {
             redis::Arg::Simple(bytes) => bytes.len() as u64,
             _ => 0,
