@@ -481,6 +481,12 @@ pub async fn run(
                     .filter(|_| args.mode == Mode::Stream),
                 stall_after: args.stall_after,
                 check_timeout: args.link_timeout,
+                // The PING waits behind every poller's chunk (at most BATCH_BYTES each) on the
+                // connection they share.
+                valkey_check_timeout: crate::valkey::write_deadline(
+                    args.valkey.valkey_timeout * WRITE_TIMEOUT_FACTOR,
+                    (args.pollers * BATCH_BYTES) as u64,
+                ),
                 slot: (args.mode == Mode::Stream).then(|| args.slot.clone()),
             },
             metrics: metrics.clone(),

@@ -51,16 +51,19 @@ fn every_simulation_mutant_applies_to_the_tree() {
         }
         seen += 1;
         let out = std::process::Command::new("patch")
-            .args(["-p1", "--dry-run", "--quiet", "-i"])
+            // --forward: a patch that looks reversed fails instead of asking on the terminal.
+            .args(["-p1", "--dry-run", "--forward", "--quiet", "-i"])
             .arg(&path)
             .current_dir(root)
+            .stdin(std::process::Stdio::null())
             .output()
             .expect("the patch tool runs");
         if !out.status.success() {
             stale.push(format!(
-                "{}: {}",
+                "{}: {}{}",
                 path.display(),
-                String::from_utf8_lossy(&out.stdout)
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
             ));
         }
     }
