@@ -290,8 +290,9 @@ const COLUMN_TYPES: &[(&str, &[&str], &str)] = &[
 
 /// Checks the table exists and has the columns a task is built from.
 ///
-/// `payload_is_json`: the payload goes into the Envelope as JSON (`OUTBOX_PAYLOAD_FORMAT=envelope`),
-/// so it must be `jsonb` or `json`; with `raw` (and for the operator commands) any type is left.
+/// `payload_is_json`: the payload goes into the Envelope as JSON
+/// (`OUTBOX_PAYLOAD_FORMAT=envelope`), so it must be `jsonb` or `json`; with `raw` (and for the
+/// operator commands) any type is left.
 pub async fn check_table(
     client: &Client,
     table: &TableName,
