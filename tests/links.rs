@@ -1028,6 +1028,20 @@ async fn a_stalled_walsender_is_found_by_the_receive_deadline() {
     relay.stop().await;
 }
 
+/// Inserts `n` rows whose payload text is 512 KiB.
+async fn insert_large_rows(db: &TestDb, n: i32) {
+    db.client()
+        .await
+        .execute(
+            "INSERT INTO outbox_events (event_id, event_name, payload) \
+             SELECT gen_random_uuid(), 'large.row', to_jsonb(repeat(md5(g::text), 16384)) \
+             FROM generate_series(1, $1) g",
+            &[&n],
+        )
+        .await
+        .unwrap();
+}
+
 /// Large rows over a slow Valkey link are delivered (found by review): a write's deadline was
 /// the Valkey timeout alone, counted from the moment the write was queued, so a backlog's
 /// batches of 8 MiB could never cross a link too slow for 8 MiB in that time. They timed out,
@@ -1050,14 +1064,7 @@ async fn large_batches_cross_a_slow_valkey_link() {
     ))
     .await;
     relay.stop().await;
-    let c = db.client().await;
-    c.batch_execute(
-        "INSERT INTO outbox_events (event_id, event_name, payload) \
-         SELECT gen_random_uuid(), 'large.row', to_jsonb(repeat(md5(g::text), 16384)) \
-         FROM generate_series(1, 24) g",
-    )
-    .await
-    .unwrap();
+    insert_large_rows(&db, 24).await;
     let relay = Relay::start_streaming(run_args(
         &db,
         &proxy.url_through(&redis.url),
@@ -1075,14 +1082,7 @@ async fn large_batches_cross_a_slow_valkey_link() {
     // Poll mode: the pollers' writes share a connection with the health check's PING, which
     // waits behind them as their replies do (found by review: the PING timed out, `/readyz`
     // said "valkey unreachable" and the connection that was delivering was dropped).
-    let c = db.client().await;
-    c.batch_execute(
-        "INSERT INTO outbox_events (event_id, event_name, payload) \
-         SELECT gen_random_uuid(), 'large.row', to_jsonb(repeat(md5(g::text), 16384)) \
-         FROM generate_series(1, 48) g",
-    )
-    .await
-    .unwrap();
+    insert_large_rows(&db, 48).await;
     let relay = Relay::start(run_args(
         &db,
         &proxy.url_through(&redis.url),

@@ -387,6 +387,23 @@ async fn an_id_that_is_not_bigint_is_refused_before_the_slot_exists() {
     }
 }
 
+/// A database `name` whose outbox is the kit's table with the column definition `from` replaced
+/// by `to`, after the statements of `prelude`.
+async fn outbox_with_column(name: &str, prelude: &str, from: &str, to: &str) -> TestDb {
+    let db = TestDb::on(&shared_pg_url(), name, false).await;
+    let columns = COLUMNS_BUT_ID.replace(from, to);
+    assert_ne!(columns, COLUMNS_BUT_ID, "{from}");
+    db.client()
+        .await
+        .batch_execute(&format!(
+            "{prelude} CREATE TABLE outbox_events \
+             (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, {columns})"
+        ))
+        .await
+        .unwrap();
+    db
+}
+
 /// The other columns whose type the relay relies on are checked at start as `id` is (found by
 /// review: each of these started without a word): an `event_id` of text made every mark fail, so
 /// the recovery poller sent every streamed row again; a `created_at` without a time zone made
@@ -414,17 +431,7 @@ async fn columns_of_the_wrong_type_are_refused_before_the_slot_exists() {
             "column payload is text, not jsonb",
         ),
     ] {
-        let db = TestDb::on(&shared_pg_url(), name, false).await;
-        let columns = COLUMNS_BUT_ID.replace(from, to);
-        assert_ne!(columns, COLUMNS_BUT_ID, "{from}");
-        db.client()
-            .await
-            .batch_execute(&format!(
-                "CREATE TABLE outbox_events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
-                 {columns})"
-            ))
-            .await
-            .unwrap();
+        let db = outbox_with_column(name, "", from, to).await;
         let redis = Redis::start();
         let msg = Relay::failure(run_args(&db, &redis.url, &[])).await;
         assert!(msg.contains(found), "{name}: {msg}");
@@ -436,17 +443,13 @@ async fn columns_of_the_wrong_type_are_refused_before_the_slot_exists() {
     }
     // A domain over a domain over json is json (found by review: the base of the first domain
     // only was read), and a json payload is accepted: the relay streams from it.
-    let db = TestDb::on(&shared_pg_url(), "pldomain", false).await;
-    let columns = COLUMNS_BUT_ID.replace("payload      jsonb", "payload      body_json");
-    db.client()
-        .await
-        .batch_execute(&format!(
-            "CREATE DOMAIN inner_json AS json; CREATE DOMAIN body_json AS inner_json; \
-             CREATE TABLE outbox_events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
-             {columns})"
-        ))
-        .await
-        .unwrap();
+    let db = outbox_with_column(
+        "pldomain",
+        "CREATE DOMAIN inner_json AS json; CREATE DOMAIN body_json AS inner_json;",
+        "payload      jsonb",
+        "payload      body_json",
+    )
+    .await;
     let redis = Redis::start();
     let relay = Relay::start_streaming(run_args(&db, &redis.url, &[])).await;
     let mut c = db.client().await;
@@ -456,16 +459,7 @@ async fn columns_of_the_wrong_type_are_refused_before_the_slot_exists() {
 
     // With `--payload-format raw` the payload is copied as it is, not into JSON: a text payload
     // is accepted, as it was before the check.
-    let db = TestDb::on(&shared_pg_url(), "plraw", false).await;
-    let columns = COLUMNS_BUT_ID.replace("payload      jsonb", "payload      text");
-    db.client()
-        .await
-        .batch_execute(&format!(
-            "CREATE TABLE outbox_events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
-             {columns})"
-        ))
-        .await
-        .unwrap();
+    let db = outbox_with_column("plraw", "", "payload      jsonb", "payload      text").await;
     let relay =
         Relay::start_streaming(run_args(&db, &redis.url, &["--payload-format", "raw"])).await;
     let mut c = db.client().await;
