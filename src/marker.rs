@@ -28,8 +28,8 @@ const MAX_IDS_PER_UPDATE: usize = 10_000;
 /// Ids waiting to be marked at most (24 bytes each, with their event ids: 24 MB).
 const MAX_PENDING_IDS: usize = 1_000_000;
 /// Ids an UPDATE did not find, kept to be tried again, at most (32 bytes each with their tries
-/// left: 3.2 MB); beyond that they are
-/// dropped and counted as the ids past `MAX_PENDING_IDS` are.
+/// left: 3.2 MB); beyond that they are dropped and counted as the ids past `MAX_PENDING_IDS`
+/// are.
 const MAX_MISSED_IDS: usize = 100_000;
 /// After this long, a trickle of ids (fewer than `BURST_IDS`) is marked at once: steady load
 /// gets small, frequent UPDATEs, whose WAL the walsender decodes without a noticeable pause

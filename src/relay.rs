@@ -483,10 +483,10 @@ pub async fn run(
                 check_timeout: args.link_timeout,
                 // The PING waits behind every poller's chunk (at most BATCH_BYTES each) on the
                 // connection they share.
-                valkey_check_timeout: crate::valkey::write_deadline(
+                valkey_check_timeout: args.link_timeout.max(crate::valkey::write_deadline(
                     args.valkey.valkey_timeout * WRITE_TIMEOUT_FACTOR,
                     (args.pollers * BATCH_BYTES) as u64,
-                ),
+                )),
                 slot: (args.mode == Mode::Stream).then(|| args.slot.clone()),
             },
             metrics: metrics.clone(),

@@ -36,12 +36,6 @@ pub enum SetupError {
     )]
     MissingColumns { table: String, missing: String },
     #[error(
-        "the outbox table {table}'s column id is {found}, not bigint: the poller and the marker \
-         claim and mark rows by a 64-bit id (the Go kit's table has `id bigint GENERATED ALWAYS \
-         AS IDENTITY`); run `ALTER TABLE {table} ALTER COLUMN id TYPE bigint;`"
-    )]
-    IdNotBigint { table: String, found: String },
-    #[error(
         "the outbox table {table}'s column {column} is {found}, not {expected}: {why}; the Go \
          kit's table has `{column} {expected}` (`ALTER TABLE {table} ALTER COLUMN {column} TYPE \
          {expected} USING {column}::{expected};`)"
@@ -269,6 +263,14 @@ fn edit_distance(a: &str, b: &str) -> usize {
 /// Columns whose type the relay relies on: the types accepted (the Go kit's first), and why.
 const COLUMN_TYPES: &[(&str, &[&str], &str)] = &[
     (
+        "id",
+        &["bigint"],
+        // The stream reads `id` as text and parses it as an i64; an integer, uuid or text id
+        // (a uuid id is a bad row to the stream too) fails every row of the poller and the
+        // marker, so rows only the poller can deliver never would be.
+        "the poller and the marker claim and mark rows by a 64-bit id",
+    ),
+    (
         "event_id",
         &["uuid"],
         "the marker matches delivered rows by (id, event_id) as uuids, so with another type \
@@ -337,21 +339,9 @@ pub async fn check_table(
             missing: missing.join(", "),
         });
     }
-    // The stream reads `id` as text and parses it as an i64, but the poller and the marker
-    // read it as a bigint: with an integer, uuid or text id they fail on every row (a uuid id
-    // makes every row a bad row to the stream as well), so rows only the poller can deliver
-    // would never be. Refused before anything is acknowledged.
-    if let Some((_, found)) = have.iter().find(|(name, _)| name == "id") {
-        if found != "bigint" {
-            return Err(SetupError::IdNotBigint {
-                table: table.sql(),
-                found: found.clone(),
-            });
-        }
-    }
-    // The other columns whose type the relay relies on (found by review: only id was checked,
-    // and each of these failed every row without a word at start). Domains count as their base
-    // type.
+    // The columns whose type the relay relies on, refused before anything is acknowledged
+    // (found by review: id first, then the others, each of which failed every row without a
+    // word at start). Domains count as their base type.
     for &(column, accepted, why) in COLUMN_TYPES {
         if column == "payload" && !payload_is_json {
             continue;

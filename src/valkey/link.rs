@@ -143,6 +143,16 @@ impl Link {
         self.inner.db
     }
 
+    /// Counts `bytes` as under way on this link until the guard is dropped, and gives `conn`
+    /// (this command's handle) the deadline of those bytes and of everything under way before
+    /// them: the client's response timeout runs from the moment a command is queued, so it
+    /// covers sending it and what is ahead of it.
+    fn under_way(&self, conn: &mut MultiplexedConnection, bytes: u64) -> UnderWay {
+        let under_way = UnderWay::add(&self.inner.pipelined, bytes);
+        conn.set_response_timeout(super::write_deadline(self.inner.timeout, under_way.total()));
+        under_way
+    }
+
     /// Forgets the connection if `result` says it is no longer worth using.
     fn check<T>(&self, generation: u64, result: &RedisResult<T>, replies: impl Fn(&T) -> bool) {
         match result {
@@ -187,8 +197,7 @@ impl ConnectionLike for Link {
             // Behind the pipelines under way, as a pipeline is (found by review: the health
             // check's PING, queued behind a poller's large write on a slow link, timed out and
             // dropped a connection that was delivering).
-            let under_way = UnderWay::add(&self.inner.pipelined, args_bytes(cmd));
-            conn.set_response_timeout(super::write_deadline(self.inner.timeout, under_way.total()));
+            let under_way = self.under_way(&mut conn, args_bytes(cmd));
             let result = conn.req_packed_command(cmd).await;
             drop(under_way);
             self.check(generation, &result, demoted);
@@ -204,10 +213,7 @@ impl ConnectionLike for Link {
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
             let (generation, mut conn) = self.current().await?;
-            // The client's response timeout runs from the moment the pipeline is queued, so it
-            // covers sending it, and the pipelines ahead of it, too.
-            let under_way = UnderWay::add(&self.inner.pipelined, pipeline_bytes(pipeline));
-            conn.set_response_timeout(super::write_deadline(self.inner.timeout, under_way.total()));
+            let under_way = self.under_way(&mut conn, pipeline_bytes(pipeline));
             let result = conn.req_packed_commands(pipeline, offset, count).await;
             drop(under_way);
             self.check(generation, &result, |values: &Vec<Value>| {
