@@ -28,7 +28,8 @@ def recvlogical_backlog(env: Env, name: str, events: int, payload_bytes: int | N
     proxies = links.snapshot() if links else {}
     sampler = env.cpu_sampler()
     t0 = time.monotonic()
-    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         preexec_fn=env.consumer_preexec())
     rc, cpu, rss = wait_rusage(p)
     wall = time.monotonic() - t0
     servers = sampler.stop()

@@ -26,6 +26,11 @@ from steady import run_steady
 def add_geometry_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("production geometry (phases calibrate, link, payload, fsync, ceiling)")
     g.add_argument("--latency-proxy", help="the latency_proxy example binary")
+    g.add_argument("--latency-queue", help="the latency_queue example binary")
+    g.add_argument("--link-via", default="proxy", choices=("proxy", "queue"),
+                   help="how a link delays: proxy (examples/latency_proxy, a second TCP "
+                        "connection through a process) or queue (examples/latency_queue: the "
+                        "same connection, packets held in a netfilter queue; needs root)")
     g.add_argument("--pg-fsync-url", help="a second Postgres with fsync on (the fsync phase)")
     g.add_argument("--link-delays", default="direct,0,0.5,1,2",
                    help="ms each way; `direct` is no proxy at all, 0 the proxy without delay")
@@ -35,6 +40,11 @@ def add_geometry_args(ap: argparse.ArgumentParser) -> None:
                    help="which links of the link phase get the delay: both (the production "
                         "geometry), valkey (Postgres direct for the relay and pg_recvlogical: "
                         "does the relay's pipeline hide the Valkey round trip?) or postgres")
+    g.add_argument("--link-cpu-split", action="store_true",
+                   help="run the link phase's drains with the CPUs split as --ceiling-cpu-split "
+                        "does (the links' processes on the consumer's side): Valkey and the "
+                        "relay then take no CPU from the walsender, as when they have hosts of "
+                        "their own")
     g.add_argument("--calibrate-round-trips", type=int, default=1000,
                    help="PINGs and SELECT 1s per link in the calibrate phase")
     g.add_argument("--payload-sizes", default="200,2048,16384", help="payload bytes")
@@ -68,11 +78,10 @@ def pair(rl: list[dict], st: list[dict]) -> dict:
             "ratios_with_startup": with_startup}
 
 
-def phase_link(env: Env) -> dict:
+def drains_over_links(env: Env, delays: list[float | None],
+                      runs: dict[str, dict[str, list[dict]]]) -> None:
+    """The link phase's drains: each round, pg_recvlogical then the relay over each link."""
     a = env.a
-    delays = parse_delays(a.link_delays)
-    log(f"phase link: D = {', '.join(label(d) for d in delays)}; {a.repeat} rounds")
-    runs: dict[str, dict[str, list[dict]]] = {}
     for i in range(a.repeat):
         for d in delays:
             log(f"  round {i + 1}, link {label(d)}")
@@ -87,6 +96,21 @@ def phase_link(env: Env) -> dict:
             slot = runs.setdefault(label(d), {"rl": [], "st": []})
             slot["rl"].append(rl)
             slot["st"].append(st)
+
+
+def phase_link(env: Env) -> dict:
+    a = env.a
+    delays = parse_delays(a.link_delays)
+    log(f"phase link: D = {', '.join(label(d) for d in delays)}; {a.repeat} rounds")
+    runs: dict[str, dict[str, list[dict]]] = {}
+    split = None
+    if a.link_cpu_split:
+        env.split_cpus()
+        split = [sorted(side) for side in env.split]
+    try:
+        drains_over_links(env, delays, runs)
+    finally:
+        env.unsplit_cpus()
     backlog = [dict(pair(v["rl"], v["st"]), delay=d)
                for d, v in zip(delays, (runs[label(d)] for d in delays))]
     rates = [int(x) for x in a.link_rates.split(",") if x]
@@ -100,7 +124,7 @@ def phase_link(env: Env) -> dict:
             links.stop()
         steady.append({"delay": d, "steps": steps})
     return {"backlog": backlog, "steady": steady, "events": a.link_events,
-            "sides": a.link_sides}
+            "sides": a.link_sides, "cpu_split": split}
 
 
 def payload_events(a: argparse.Namespace, size: int) -> int:

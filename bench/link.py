@@ -1,4 +1,5 @@
-"""Links with latency for bench/bench.py: examples/latency_proxy in front of Postgres and Valkey,
+"""Links with latency for bench/bench.py: examples/latency_proxy (or, with `--link-via queue`,
+examples/latency_queue) in front of Postgres and Valkey,
 the proxy's own lateness from its counters, and the calibration of each link (round trips of
 Valkey PING and Postgres `SELECT 1`, direct and through the proxy).
 
@@ -34,21 +35,55 @@ def label(delay: float | None) -> str:
     return "direct" if delay is None else f"{delay:g} ms"
 
 
+VIAS = {
+    "proxy": "examples/latency_proxy (a TCP proxy: each byte crosses loopback twice, through"
+             " the proxy's process)",
+    "queue": "examples/latency_queue (one connection, each packet held in a netfilter queue:"
+             " the kernel's path, no second connection)",
+}
+_leftovers_removed = False
+
+
+def remove_leftover_queue_rules() -> None:
+    """The iptables rules of examples/latency_queue processes that were killed (each removes its
+    own when its standard input closes); they carry `outbox-bench-queue-PID`."""
+    for table in ("filter", "nat", "mangle"):
+        out = subprocess.run(["iptables-save", "-t", table], capture_output=True, text=True,
+                             check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("-A ") and "outbox-bench-queue-" in line:
+                pid = line.split("outbox-bench-queue-", 1)[1].split()[0]
+                if not Path(f"/proc/{pid}").exists():
+                    log(f"  removing a leftover rule of latency_queue {pid}: {line}")
+                    subprocess.run(["iptables", "-w", "-t", table, "-D"] + line.split()[1:],
+                                   check=True)
+
+
 class Proxy:
-    """One examples/latency_proxy process in front of `upstream` (host:port)."""
+    """One link process in front of `upstream` (host:port): examples/latency_proxy, or with
+    `--link-via queue` examples/latency_queue. Both take the same arguments, print the address
+    to connect to and write the same counters."""
 
     def __init__(self, env: Env, name: str, upstream: str, delay_ms: float):
+        global _leftovers_removed
         self.delay_ms = delay_ms
         self.stats_path = env.workdir / f"proxy-{name}.json"
+        binary = env.a.latency_proxy
+        if env.a.link_via == "queue":
+            binary = env.a.latency_queue
+            if not _leftovers_removed:
+                remove_leftover_queue_rules()
+                _leftovers_removed = True
         self.p = subprocess.Popen(
-            [env.a.latency_proxy, "--upstream", upstream, "--delay-ms", str(delay_ms),
+            [binary, "--upstream", upstream, "--delay-ms", str(delay_ms),
              "--stats", str(self.stats_path), "--exit-with-stdin"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=env.consumer_preexec(),
             stderr=open(env.workdir / f"proxy-{name}.log", "w"), text=True)
         line = self.p.stdout.readline().strip()
         if not line.startswith("listening "):
             self.p.kill()
-            raise RuntimeError(f"latency_proxy did not start ({line!r}); see proxy-{name}.log")
+            raise RuntimeError(f"{Path(binary).name} did not start ({line!r}); "
+                               f"see proxy-{name}.log")
         self.addr = line.split()[1]
 
     def via(self, url: str) -> str:
@@ -64,8 +99,13 @@ class Proxy:
         return proc_cpu_seconds(self.p.pid)
 
     def stop(self) -> None:
-        self.p.kill()
-        self.p.wait()
+        """Closes its standard input: the queue link removes its rules and exits."""
+        self.p.stdin.close()
+        try:
+            self.p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
 
 
 def upstream_of(url: str) -> str:

@@ -9,6 +9,7 @@ import argparse
 
 from ceiling import cores
 from geometry import eps, median_steps
+from link import VIAS
 from report import _header, _nan, _num, _rate, cpu_cell, cpu_split
 
 BEGIN, END = "<!-- bench-geometry:begin -->", "<!-- bench-geometry:end -->"
@@ -18,12 +19,17 @@ def _d(delay) -> str:
     return "direct (no proxy)" if delay is None else f"{delay:g} ms"
 
 
-def _calibrate(rows: list[dict]) -> list[str]:
+def _via(a: argparse.Namespace) -> str:
+    return VIAS[getattr(a, "link_via", "proxy")]
+
+
+def _calibrate(a: argparse.Namespace, rows: list[dict]) -> list[str]:
     lines = [
         "**The links**: round trips from the benchmark's Python process, one at a time, direct"
-        " and through examples/latency_proxy with a delay of D each way; the proxy's lateness is"
-        " how long after its due time each chunk was written (from the proxy's own counters,"
-        " both directions of both proxies, quarter-power-of-two buckets: upper bounds).", "",
+        f" and through {_via(a)} with a delay of D each way; the proxy's lateness is"
+        " how long after its due time each chunk (with the queue: each packet) was let go (from"
+        " the link's own counters, both directions of both links, quarter-power-of-two buckets:"
+        " upper bounds). Below, \"proxy\" means whichever link ran.", "",
         "| D each way | Valkey PING p50 ms | p99 ms | Postgres SELECT 1 p50 ms | p99 ms "
         "| proxy lateness p50 µs | p99 µs | chunks |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -69,7 +75,11 @@ def _link(a: argparse.Namespace, link: dict) -> list[str]:
     sides = LINK_SIDES[link.get("sides", "both")]
     lines = [
         f"**Drain over a link**: {link['events']:,} events in {a.per_txn}-row transactions,"
-        f" committed before the consumer starts; {sides}. Medians of"
+        f" committed before the consumer starts; {sides}"
+        + (f"; the CPUs split (Postgres, the harness and the load on {link['cpu_split'][0]};"
+           f" Valkey, the consumer and the links on {link['cpu_split'][1]})"
+           if link.get("cpu_split") else "")
+        + ". Medians of"
         f" {a.repeat} round(s); the ratio is stream / pg_recvlogical within each round; the"
         " proxy columns are the stream run's (lateness: how long after its due time a chunk"
         " left).", "",
@@ -78,7 +88,7 @@ def _link(a: argparse.Namespace, link: dict) -> list[str]:
     ]
     for p in link["backlog"]:
         lines.append(f"| {_d(p['delay'])} | {_pair_cells(p)} |")
-    lines += [""] + _link_cpu(a, link["backlog"])
+    lines += [""] + _link_cpu(a, link["backlog"], link.get("cpu_split"))
     if not link["steady"]:
         return lines
     lines += ["**Latency over a link**: single-row transactions at fixed rates (each rate"
@@ -95,7 +105,8 @@ def _link(a: argparse.Namespace, link: dict) -> list[str]:
     return lines + [""]
 
 
-def _link_cpu(a: argparse.Namespace, backlog: list[dict]) -> list[str]:
+def _link_cpu(a: argparse.Namespace, backlog: list[dict],
+              split: list[list[int]] | None = None) -> list[str]:
     """Where the CPU went during the median drain of each consumer over each link: the profile
     that says what a drain over a link is bounded by."""
     lines = [
@@ -105,7 +116,8 @@ def _link_cpu(a: argparse.Namespace, backlog: list[dict]) -> list[str]:
         " latency proxies' CPU (one proxy on pg_recvlogical's path, one per proxied link on the"
         " relay's), a cost that a real link puts on the network and the other host.", "",
         "| D each way | consumer | span s | walsender on CPU s | walsender waiting s "
-        "| Valkey s | consumer s | proxies s | everything else s | machine busy |",
+        "| Valkey s | consumer s | proxies s | everything else s "
+        "| machine busy (split: database / consumer side) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in backlog:
@@ -120,7 +132,7 @@ def _link_cpu(a: argparse.Namespace, backlog: list[dict]) -> list[str]:
                 f"| {_d(p['delay'])} | {name} | {c['span']:.2f} | {pct(c['walsender'])} "
                 f"| {pct(c['walsender_wait'])} | {pct(c['valkey'])} | {pct(c['consumer'])} "
                 f"| {pct(px)} | {pct(c['rest'] + c['other_pg'])} "
-                f"| {c['busy'] / (a.nproc * c['span']):.0%} |")
+                f"| {_busy(a, r, split)} |")
     return lines + [
         "",
         "As the loopback table's \"Where the CPU went\": /proc/PID/schedstat sampled every 25 ms;"
@@ -243,8 +255,10 @@ def markdown(a: argparse.Namespace, m: dict, geo: dict) -> str:
         first = (f"**Production geometry: {a.link_events:,} events per link backlog,"
                  f" {a.step_seconds:g} s per load step, {a.repeat} rounds.**")
     lines = [BEGIN, ""] + _header(a, m, first)
+    if "link" in geo and "calibrate" not in geo:
+        lines += [f"**The links**: {_via(a)}.", ""]
     if "calibrate" in geo:
-        lines += _calibrate(geo["calibrate"])
+        lines += _calibrate(a, geo["calibrate"])
     if "link" in geo:
         lines += _link(a, geo["link"])
     if "payload" in geo:

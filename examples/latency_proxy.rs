@@ -36,9 +36,13 @@ use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+#[path = "link/stats.rs"]
+mod stats;
+use stats::{precise_waits, write_stats, DirectionStats, Stats};
 
 /// A TCP proxy that delays each direction by a fixed time.
 #[derive(Debug, Parser)]
@@ -66,79 +70,6 @@ struct Args {
 
 /// Size of one read at most; a chunk is what one read returned.
 const READ_BYTES: usize = 64 << 10;
-/// Lateness histogram: bucket `i` holds chunks that left less than `bound(i)` µs late.
-const BUCKETS: usize = 64;
-
-/// Upper bound (µs) of lateness bucket `i`: four buckets per power of two.
-fn bucket_bound_us(i: usize) -> f64 {
-    2f64.powf(i as f64 / 4.0)
-}
-
-fn bucket_of(late: Duration) -> usize {
-    let us = late.as_secs_f64() * 1e6;
-    (0..BUCKETS)
-        .find(|&i| us < bucket_bound_us(i))
-        .unwrap_or(BUCKETS - 1)
-}
-
-/// Counters of one direction, shared by every connection.
-struct DirectionStats {
-    chunks: AtomicU64,
-    bytes: AtomicU64,
-    max_late_ns: AtomicU64,
-    late: [AtomicU64; BUCKETS],
-}
-
-impl Default for DirectionStats {
-    fn default() -> Self {
-        Self {
-            chunks: AtomicU64::new(0),
-            bytes: AtomicU64::new(0),
-            max_late_ns: AtomicU64::new(0),
-            late: std::array::from_fn(|_| AtomicU64::new(0)),
-        }
-    }
-}
-
-impl DirectionStats {
-    fn record(&self, bytes: usize, late: Duration) {
-        self.chunks.fetch_add(1, Ordering::Relaxed);
-        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-        self.max_late_ns
-            .fetch_max(late.as_nanos() as u64, Ordering::Relaxed);
-        self.late[bucket_of(late)].fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "chunks": self.chunks.load(Ordering::Relaxed),
-            "bytes": self.bytes.load(Ordering::Relaxed),
-            "max_late_us": self.max_late_ns.load(Ordering::Relaxed) as f64 / 1e3,
-            "late_hist": self.late.iter().map(|c| c.load(Ordering::Relaxed)).collect::<Vec<_>>(),
-        })
-    }
-}
-
-#[derive(Default)]
-struct Stats {
-    connections: AtomicU64,
-    /// Client to upstream, upstream to client.
-    up: DirectionStats,
-    down: DirectionStats,
-}
-
-impl Stats {
-    fn json(&self, delay: Duration) -> serde_json::Value {
-        serde_json::json!({
-            "delay_ms": delay.as_secs_f64() * 1e3,
-            "connections": self.connections.load(Ordering::Relaxed),
-            "bucket_bounds_us": (0..BUCKETS).map(bucket_bound_us).collect::<Vec<_>>(),
-            "up": self.up.json(),
-            "down": self.down.json(),
-        })
-    }
-}
-
 /// A chunk in the delay line: when it is due, its length, and whether its lateness is counted
 /// (when the first write that carries it starts).
 struct Chunk {
@@ -259,13 +190,6 @@ fn wait(read: Option<&TcpStream>, write: Option<&TcpStream>, timeout: Option<Dur
     ready > 0 && fds[0].revents != 0
 }
 
-/// Sets this thread's timer slack to 1 ns, so that its waits end on time (best effort: the stats
-/// show the lateness either way). `prctl`, because `/proc/thread-self` has no `timerslack_ns`.
-fn precise_waits() {
-    // SAFETY: PR_SET_TIMERSLACK takes an unsigned long and changes only the calling thread.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
-}
-
 /// One direction: reads `from` into the delay line, writes to `to` what is due. At the end of
 /// `from` (or a read error) writes the rest at its due times and closes the direction; on a write
 /// error closes the whole connection.
@@ -360,12 +284,6 @@ fn serve(client: TcpStream, args: &Args, stats: &Arc<Stats>) -> std::io::Result<
     Ok(())
 }
 
-fn write_stats(path: &PathBuf, stats: &Stats, delay: Duration) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, stats.json(delay).to_string())?;
-    std::fs::rename(tmp, path)
-}
-
 fn main() -> anyhow::Result<()> {
     let args = Arc::new(Args::parse());
     anyhow::ensure!(
@@ -405,6 +323,7 @@ fn main() -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::stats::{bucket_of, BUCKETS};
     use super::*;
 
     /// An upstream that echoes what it reads.

@@ -104,7 +104,7 @@ cd "$ROOT"
 
 log "building the release binary and the benchmark examples"
 cargo build --release --locked --bin outbox-relay --example naive_relay --example load_gen \
-    --example latency_proxy >&2
+    --example latency_proxy --example latency_queue >&2
 
 PYTHON=$(bench_python "$ROOT")
 
@@ -144,7 +144,8 @@ log "postgres $PG_URL, redis $REDIS_URL; $EVENTS events per backlog phase; repor
     --relay "$ROOT/target/release/outbox-relay" \
     --naive "$ROOT/target/release/examples/naive_relay" \
     --load-gen "$ROOT/target/release/examples/load_gen" \
-    --latency-proxy "$ROOT/target/release/examples/latency_proxy" "${FSYNC_ARGS[@]}" \
+    --latency-proxy "$ROOT/target/release/examples/latency_proxy" \
+    --latency-queue "$ROOT/target/release/examples/latency_queue" "${FSYNC_ARGS[@]}" \
     --pg-recvlogical "$(pg_bindir)/pg_recvlogical" \
     --events "$EVENTS" "${QUICK_ARG[@]}" \
     --docs-dir "$DOCS_DIR" --template "$ROOT/docs/benchmarks.md" --workdir "$WORK" \
