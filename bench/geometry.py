@@ -104,10 +104,10 @@ def phase_link(env: Env) -> dict:
     log(f"phase link: D = {', '.join(label(d) for d in delays)}; {a.repeat} rounds")
     runs: dict[str, dict[str, list[dict]]] = {}
     split = None
-    if a.link_cpu_split:
-        env.split_cpus()
-        split = [sorted(side) for side in env.split]
     try:
+        if a.link_cpu_split:
+            env.split_cpus()
+            split = [sorted(side) for side in env.split]
         drains_over_links(env, delays, runs)
     finally:
         env.unsplit_cpus()

@@ -44,16 +44,24 @@ VIAS = {
 _leftovers_removed = False
 
 
+def _is_queue_link(pid: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "latency_queue"
+    except OSError:
+        return False
+
+
 def remove_leftover_queue_rules() -> None:
     """The iptables rules of examples/latency_queue processes that were killed (each removes its
-    own when its standard input closes); they carry `outbox-bench-queue-PID`."""
+    own when its standard input closes or a signal comes); they carry
+    `outbox-bench-queue-PID`."""
     for table in ("filter", "nat", "mangle"):
         out = subprocess.run(["iptables-save", "-t", table], capture_output=True, text=True,
                              check=True).stdout
         for line in out.splitlines():
             if line.startswith("-A ") and "outbox-bench-queue-" in line:
                 pid = line.split("outbox-bench-queue-", 1)[1].split()[0]
-                if not Path(f"/proc/{pid}").exists():
+                if not _is_queue_link(pid):
                     log(f"  removing a leftover rule of latency_queue {pid}: {line}")
                     subprocess.run(["iptables", "-w", "-t", table, "-D"] + line.split()[1:],
                                    check=True)
@@ -69,7 +77,8 @@ class Proxy:
         self.delay_ms = delay_ms
         self.stats_path = env.workdir / f"proxy-{name}.json"
         binary = env.a.latency_proxy
-        if env.a.link_via == "queue":
+        self.queue = env.a.link_via == "queue"
+        if self.queue:
             binary = env.a.latency_queue
             if not _leftovers_removed:
                 remove_leftover_queue_rules()
@@ -78,6 +87,9 @@ class Proxy:
             [binary, "--upstream", upstream, "--delay-ms", str(delay_ms),
              "--stats", str(self.stats_path), "--exit-with-stdin"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=env.consumer_preexec(),
+            # Its own session: a Ctrl-C in the benchmark's terminal does not reach it, and
+            # closing its standard input stops it through the exit that removes its rules.
+            start_new_session=True,
             stderr=open(env.workdir / f"proxy-{name}.log", "w"), text=True)
         line = self.p.stdout.readline().strip()
         if not line.startswith("listening "):
@@ -106,6 +118,8 @@ class Proxy:
         except subprocess.TimeoutExpired:
             self.p.kill()
             self.p.wait()
+            if self.queue:
+                remove_leftover_queue_rules()
 
 
 def upstream_of(url: str) -> str:

@@ -76,7 +76,7 @@ def _link(a: argparse.Namespace, link: dict) -> list[str]:
     lines = [
         f"**Drain over a link**: {link['events']:,} events in {a.per_txn}-row transactions,"
         f" committed before the consumer starts; {sides}"
-        + (f"; the CPUs split (Postgres, the harness and the load on {link['cpu_split'][0]};"
+        + (f"; the CPUs split (Postgres and the harness on {link['cpu_split'][0]};"
            f" Valkey, the consumer and the links on {link['cpu_split'][1]})"
            if link.get("cpu_split") else "")
         + ". Medians of"
@@ -113,8 +113,10 @@ def _link_cpu(a: argparse.Namespace, backlog: list[dict],
         "**Where the CPU went** during the median drain of each consumer over each link (its"
         " start to its last event): seconds on a CPU per process group, the walsender's seconds"
         " runnable but waiting for a CPU, and the share of the span. \"proxies\" is the"
-        " latency proxies' CPU (one proxy on pg_recvlogical's path, one per proxied link on the"
-        " relay's), a cost that a real link puts on the network and the other host.", "",
+        " links' processes' CPU (one on pg_recvlogical's path, one per delayed link on the"
+        " relay's), a cost that a real link puts on the network and the other host. With the"
+        " queue link it also holds the receivers' loopback and TCP work that the kernel does"
+        " inside its verdicts (this kernel does not account interrupt time apart).", "",
         "| D each way | consumer | span s | walsender on CPU s | walsender waiting s "
         "| Valkey s | consumer s | proxies s | everything else s "
         "| machine busy (split: database / consumer side) |",

@@ -35,7 +35,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -84,8 +84,8 @@ mod nfq {
     pub const NF_ACCEPT: u32 = 1;
 }
 
-/// Bytes of each packet copied to this program: its IPv4 and TCP headers.
-const COPY_RANGE: u32 = 64;
+/// Bytes of each packet copied to this program: its IPv4 and TCP headers (with their options).
+const COPY_RANGE: u32 = 128;
 /// Packets the kernel may hold for the queue; past it, new ones are dropped (and counted).
 const QUEUE_MAX_LEN: u32 = 1 << 16;
 /// The netlink socket's receive buffer.
@@ -129,7 +129,8 @@ impl Message {
 struct Held {
     id: u32,
     due: Instant,
-    up: bool,
+    /// Client to upstream, upstream to client, or a packet this program could not read.
+    up: Option<bool>,
     bytes: usize,
 }
 
@@ -141,6 +142,39 @@ struct Packet {
     destination_port: u16,
     payload_bytes: usize,
     opens: bool,
+}
+
+/// The id of a queued packet, from its message's attributes.
+fn packet_id(attrs: &[u8]) -> Option<u32> {
+    let mut rest = attrs;
+    while rest.len() >= 8 {
+        let len = u16::from_ne_bytes([rest[0], rest[1]]) as usize;
+        let kind = u16::from_ne_bytes([rest[2], rest[3]]) & 0x3fff;
+        if len < 4 || len > rest.len() {
+            return None;
+        }
+        if kind == nfq::A_PACKET_HDR && len >= 8 {
+            return Some(u32::from_be_bytes(rest[4..8].try_into().ok()?));
+        }
+        rest = &rest[((len + 3) & !3).min(rest.len())..];
+    }
+    None
+}
+
+/// What the kernel counts for one queue in /proc/net/netfilter/nfnetlink_queue: packets it
+/// dropped because the queue was full (`queue_dropped`) or could not be sent to this program
+/// (`user_dropped`: its socket's buffer was full).
+fn queue_drops(queue: u16) -> u64 {
+    let Ok(text) = std::fs::read_to_string("/proc/net/netfilter/nfnetlink_queue") else {
+        return 0;
+    };
+    text.lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.first() == Some(&queue.to_string().as_str()))
+        .map_or(0, |f| {
+            let n = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            n(5) + n(6)
+        })
 }
 
 /// Reads a packet message's attributes (after the netlink header and nfgenmsg).
@@ -318,30 +352,44 @@ impl Queue {
         Ok(n as usize)
     }
 
-    /// Every packet message waiting on the socket, without blocking. A full socket buffer (the
-    /// kernel dropped packets) is counted in `dropped`.
-    fn drain(&mut self, dropped: &AtomicU64, mut each: impl FnMut(Packet)) -> anyhow::Result<()> {
+    /// Every packet message waiting on the socket, without blocking, each with the time its
+    /// `recv` returned. A packet this program cannot read (not TCP over IPv4, or headers past
+    /// the copy) is passed with `None` after its id: it is let go at once. A full socket buffer
+    /// (ENOBUFS) is not an error: the kernel counts the packets it dropped (`queue_drops`).
+    fn drain(&mut self, mut each: impl FnMut(Result<Packet, u32>, Instant)) -> anyhow::Result<()> {
         loop {
             let n = match self.recv(libc::MSG_DONTWAIT) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
-                    dropped.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                }
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => continue,
                 Err(e) => return Err(e).context("recv from the netfilter queue"),
             };
+            let read_at = Instant::now();
             let mut at = 0;
-            while at + 20 <= n {
+            while at + 16 <= n {
                 let len = u32::from_ne_bytes(self.buf[at..at + 4].try_into()?) as usize;
                 let kind = u16::from_ne_bytes([self.buf[at + 4], self.buf[at + 5]]);
-                if len < 20 || at + len > n {
+                if len < 16 || at + len > n {
                     break;
                 }
-                if kind == (nfq::SUBSYS_QUEUE << 8) | nfq::MSG_PACKET {
-                    match parse_packet(&self.buf[at + 20..at + len]) {
-                        Some(p) => each(p),
-                        None => bail!("a queued packet that is not TCP over IPv4"),
+                if kind == libc::NLMSG_ERROR as u16 && len >= 20 {
+                    // A failed request (a verdict the kernel refused): its packets would stay
+                    // queued for ever.
+                    let errno = i32::from_ne_bytes(self.buf[at + 16..at + 20].try_into()?);
+                    if errno != 0 {
+                        bail!(
+                            "the netfilter queue refused a request: {}",
+                            std::io::Error::from_raw_os_error(-errno)
+                        );
+                    }
+                } else if kind == (nfq::SUBSYS_QUEUE << 8) | nfq::MSG_PACKET && len >= 20 {
+                    let attrs = &self.buf[at + 20..at + len];
+                    match parse_packet(attrs) {
+                        Some(p) => each(Ok(p), read_at),
+                        None => match packet_id(attrs) {
+                            Some(id) => each(Err(id), read_at),
+                            None => bail!("a queued packet without its id"),
+                        },
                     }
                 }
                 at += (len + 3) & !3;
@@ -362,7 +410,7 @@ impl Queue {
 /// The iptables rules that send one port's connections to the upstream through the queue,
 /// removed when dropped.
 struct Rules {
-    rules: Vec<(&'static str, Vec<String>)>,
+    rules: Vec<(&'static str, &'static str, Vec<String>)>,
 }
 
 impl Rules {
@@ -383,19 +431,26 @@ impl Rules {
         };
         let to_port = ["-o", "lo", "-p", "tcp", "-d", "127.0.0.1", "--dport", &port];
         let mut rules = Rules { rules: Vec::new() };
-        for (table, spec) in [
+        // The queue takes packets as they arrive (INPUT), not as they leave (OUTPUT): loopback
+        // has already detached them from the sending socket, so a held packet does not count
+        // against the sender's write memory. Held at OUTPUT, TCP's small-queue limit (about a
+        // millisecond of the socket's pacing rate) capped each flow at that limit per delay.
+        for (table, chain, spec) in [
             (
                 "mangle",
+                "OUTPUT",
                 [&to_port[..], &["-j", "CONNMARK", "--set-mark", &mark]].concat(),
             ),
             (
                 "nat",
+                "OUTPUT",
                 [&to_port[..], &["-j", "REDIRECT", "--to-ports", &up]].concat(),
             ),
             (
                 "filter",
+                "INPUT",
                 vec![
-                    "-o", "lo", "-m", "connmark", "--mark", &mark, "-j", "NFQUEUE",
+                    "-i", "lo", "-m", "connmark", "--mark", &mark, "-j", "NFQUEUE",
                 ]
                 .into_iter()
                 .chain(["--queue-num", &q, "--queue-bypass"])
@@ -403,61 +458,119 @@ impl Rules {
             ),
         ] {
             let spec = with_tag(spec);
-            iptables(table, "-I", &spec)?;
-            rules.rules.push((table, spec));
+            iptables(table, chain, "-I", &spec)?;
+            rules.rules.push((table, chain, spec));
         }
         Ok(rules)
     }
 }
 
-impl Drop for Rules {
-    fn drop(&mut self) {
-        for (table, spec) in self.rules.iter().rev() {
-            if let Err(e) = iptables(table, "-D", spec) {
+impl Rules {
+    /// Removes the rules that take new connections into the link (the mark and the redirect),
+    /// and leaves the one that queues the packets of marked connections.
+    fn close_entry(&mut self) {
+        let (keep, gone): (Vec<_>, Vec<_>) = self
+            .rules
+            .drain(..)
+            .partition(|(table, ..)| *table == "filter");
+        self.rules = keep;
+        for (table, chain, spec) in gone.iter().rev() {
+            if let Err(e) = iptables(table, chain, "-D", spec) {
                 eprintln!("latency_queue: {e:#}");
             }
         }
     }
 }
 
-fn iptables(table: &str, op: &str, spec: &[String]) -> anyhow::Result<()> {
+impl Drop for Rules {
+    fn drop(&mut self) {
+        for (table, chain, spec) in self.rules.iter().rev() {
+            if let Err(e) = iptables(table, chain, "-D", spec) {
+                eprintln!("latency_queue: {e:#}");
+            }
+        }
+    }
+}
+
+fn iptables(table: &str, chain: &str, op: &str, spec: &[String]) -> anyhow::Result<()> {
     let out = Command::new("iptables")
-        .args(["-w", "-t", table, op, "OUTPUT"])
+        .args(["-w", "-t", table, op, chain])
         .args(spec)
         .output()
         .context("run iptables (this link needs root and iptables)")?;
     ensure!(
         out.status.success(),
-        "iptables -t {table} {op} OUTPUT {}: {}",
+        "iptables -t {table} {op} {chain} {}: {}",
         spec.join(" "),
         String::from_utf8_lossy(&out.stderr).trim()
     );
     Ok(())
 }
 
-/// Waits until the queue's socket or `stop` is readable, or `timeout` passes; returns whether
-/// `stop` was.
-fn wait(queue: RawFd, stop: Option<RawFd>, timeout: Option<Duration>) -> bool {
-    let mut fds = [
-        libc::pollfd {
-            fd: queue,
+/// What ends a link: the end of a file (standard input, or a pipe in the tests) and a signal.
+#[derive(Clone, Copy, Default)]
+struct Stop {
+    /// Read until its end.
+    eof: Option<RawFd>,
+    /// A signalfd: readable once SIGINT, SIGTERM or SIGHUP came.
+    signal: Option<RawFd>,
+}
+
+impl Stop {
+    /// Waits until the queue's socket or a stop is readable, or `timeout` passes; returns
+    /// whether the link must stop.
+    fn wait(&self, queue: RawFd, timeout: Option<Duration>) -> bool {
+        let fd = |f: Option<RawFd>| libc::pollfd {
+            fd: f.unwrap_or(-1),
             events: libc::POLLIN,
             revents: 0,
-        },
-        libc::pollfd {
-            fd: stop.unwrap_or(-1),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
-    let ts = timeout.map(|t| libc::timespec {
-        tv_sec: t.as_secs() as libc::time_t,
-        tv_nsec: t.subsec_nanos() as libc::c_long,
-    });
-    let ts_ptr = ts.as_ref().map_or(std::ptr::null(), |t| t as *const _);
-    // SAFETY: `fds` and `ts` outlive the call; a null signal mask leaves the mask alone.
-    let ready = unsafe { libc::ppoll(fds.as_mut_ptr(), 2, ts_ptr, std::ptr::null()) };
-    ready > 0 && fds[1].revents != 0
+        };
+        let mut fds = [fd(Some(queue)), fd(self.eof), fd(self.signal)];
+        let ts = timeout.map(|t| libc::timespec {
+            tv_sec: t.as_secs() as libc::time_t,
+            tv_nsec: t.subsec_nanos() as libc::c_long,
+        });
+        let ts_ptr = ts.as_ref().map_or(std::ptr::null(), |t| t as *const _);
+        // SAFETY: `fds` and `ts` outlive the call; a null signal mask leaves the mask alone.
+        let ready = unsafe { libc::ppoll(fds.as_mut_ptr(), 3, ts_ptr, std::ptr::null()) };
+        if ready <= 0 {
+            return false;
+        }
+        if fds[2].revents != 0 {
+            return true;
+        }
+        fds[1].revents != 0 && at_end(self.eof)
+    }
+}
+
+/// Reads what `fd` holds; true at its end (or on an error).
+fn at_end(fd: Option<RawFd>) -> bool {
+    let Some(fd) = fd else { return false };
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is valid for writes of its length for the call.
+    let n = unsafe { libc::read(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len()) };
+    n <= 0
+}
+
+/// Blocks SIGINT, SIGTERM and SIGHUP in this thread (and the threads it starts from now on) and
+/// returns a signalfd that reads them: a signal then ends the link through its exit path, which
+/// removes the rules, instead of killing the process with them in place.
+fn stop_signals() -> anyhow::Result<OwnedFd> {
+    // SAFETY: `set` is initialised by sigemptyset before use; the calls only read it.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            libc::sigaddset(&mut set, sig);
+        }
+        ensure!(
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) == 0,
+            "pthread_sigmask"
+        );
+        let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC);
+        ensure!(fd >= 0, "signalfd: {}", std::io::Error::last_os_error());
+        Ok(OwnedFd::from_raw_fd(fd))
+    }
 }
 
 /// A link: its rules, its queue, and the port that clients connect to.
@@ -466,9 +579,15 @@ struct Link {
     upstream_port: u16,
     delay: Duration,
     queue: Queue,
-    _rules: Rules,
+    /// Removed first when the link stops, while the queue still lets go what it holds.
+    rules: Option<Rules>,
     _reserved: TcpListener,
 }
+
+/// How long a stopping link waits for more packets once it holds none.
+const STOP_GRACE: Duration = Duration::from_millis(20);
+/// How long a stopping link goes on delaying the connections it carries at most.
+const STOP_LIMIT: Duration = Duration::from_secs(2);
 
 impl Link {
     fn open(upstream: SocketAddr, delay: Duration, queue_num: u16) -> anyhow::Result<Self> {
@@ -487,62 +606,103 @@ impl Link {
             upstream_port: upstream.port(),
             delay,
             queue,
-            _rules: rules,
+            rules: Some(rules),
             _reserved: reserved,
         })
     }
 
-    /// Holds and releases packets until `stop` is readable and at its end (or fails).
-    fn run(&mut self, stats: &Stats, stop: Option<RawFd>) -> anyhow::Result<()> {
+    /// Holds and releases packets until `stop`. Then it takes no new connections, goes on
+    /// delaying the packets of those it carries until none came for `STOP_GRACE` (at most
+    /// `STOP_LIMIT`), and only then removes its queueing rule: removing it drops the packets the
+    /// queue holds (seen here: their verdicts then fail with ENOENT). On an error the rules are
+    /// removed and every packet held is let go at once.
+    fn run(&mut self, stats: &Stats, stop: Stop) -> anyhow::Result<()> {
         precise_waits();
         let mut held: VecDeque<Held> = VecDeque::new();
-        loop {
-            let timeout = held
-                .front()
-                .map(|h| h.due.saturating_duration_since(Instant::now()));
-            if wait(self.queue.fd.as_raw_fd(), stop, timeout) && stop_reached(stop) {
-                break;
+        let result = self.hold_and_release(stats, stop, &mut held);
+        if result.is_err() {
+            if let Some(h) = held.back() {
+                let _ = self.queue.accept_through(h.id);
             }
-            let read_at = Instant::now();
-            let (upstream, delay) = (self.upstream_port, self.delay);
-            self.queue.drain(&stats.dropped, |p| {
-                let up = p.destination_port == upstream;
-                if up && p.opens {
-                    stats.connections.fetch_add(1, Ordering::Relaxed);
+        }
+        self.rules = None;
+        result
+    }
+
+    fn hold_and_release(
+        &mut self,
+        stats: &Stats,
+        stop: Stop,
+        held: &mut VecDeque<Held>,
+    ) -> anyhow::Result<()> {
+        let (upstream, delay) = (self.upstream_port, self.delay);
+        let mut stopping: Option<Instant> = None;
+        let mut unreadable = 0u64;
+        loop {
+            let timeout = match held.front() {
+                Some(h) => Some(h.due.saturating_duration_since(Instant::now())),
+                None if stopping.is_some() => Some(STOP_GRACE),
+                None => None,
+            };
+            let before = held.len();
+            if stopping.is_none() && stop.wait(self.queue.fd.as_raw_fd(), timeout) {
+                stopping = Some(Instant::now());
+                if let Some(rules) = self.rules.as_mut() {
+                    rules.close_entry();
                 }
+            } else if stopping.is_some() {
+                Stop::default().wait(self.queue.fd.as_raw_fd(), timeout);
+            }
+            self.queue.drain(|p, read_at| {
+                let (id, up, bytes) = match p {
+                    Ok(p) => {
+                        let up = p.destination_port == upstream;
+                        if up && p.opens {
+                            stats.connections.fetch_add(1, Ordering::Relaxed);
+                        }
+                        (p.id, Some(up), p.payload_bytes)
+                    }
+                    Err(id) => {
+                        unreadable += 1;
+                        (id, None, 0)
+                    }
+                };
                 held.push_back(Held {
-                    id: p.id,
+                    id,
                     due: read_at + delay,
                     up,
-                    bytes: p.payload_bytes,
+                    bytes,
                 });
             })?;
             let now = Instant::now();
             let mut last = None;
             while held.front().is_some_and(|h| h.due <= now) {
                 let h = held.pop_front().expect("checked");
-                let dir = if h.up { &stats.up } else { &stats.down };
-                dir.record(h.bytes, now - h.due);
+                match h.up {
+                    Some(true) => stats.up.record(h.bytes, now - h.due),
+                    Some(false) => stats.down.record(h.bytes, now - h.due),
+                    None => {}
+                }
                 last = Some(h.id);
             }
             if let Some(id) = last {
                 self.queue.accept_through(id).context("verdict")?;
             }
+            if let Some(since) = stopping {
+                let quiet = held.is_empty() && before == 0 && last.is_none();
+                if quiet || since.elapsed() > STOP_LIMIT {
+                    break;
+                }
+            }
         }
-        if let Some(h) = held.back() {
-            self.queue.accept_through(h.id).context("verdict")?;
+        if unreadable > 0 {
+            eprintln!(
+                "latency_queue: {unreadable} packets were not TCP over IPv4 with headers \
+                 within {COPY_RANGE} bytes: delayed, not counted"
+            );
         }
         Ok(())
     }
-}
-
-/// Reads what `stop` holds; true at its end (or on an error).
-fn stop_reached(stop: Option<RawFd>) -> bool {
-    let Some(fd) = stop else { return false };
-    let mut buf = [0u8; 256];
-    // SAFETY: `buf` is valid for writes of its length for the call.
-    let n = unsafe { libc::read(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len()) };
-    n <= 0
 }
 
 fn main() -> anyhow::Result<()> {
@@ -552,23 +712,46 @@ fn main() -> anyhow::Result<()> {
         "--delay-ms must be 0 or more"
     );
     let delay = Duration::from_secs_f64(args.delay_ms / 1e3);
-    let queue_num = args
+    // Before any other thread starts, so that every thread has them blocked.
+    let signals = stop_signals()?;
+    // A queue number another process holds is refused (EBUSY): the next one is tried.
+    let first = args
         .queue_num
         .unwrap_or(1000 + (std::process::id() % 60_000) as u16);
-    let mut link = Link::open(args.upstream, delay, queue_num)?;
+    let tries = if args.queue_num.is_some() { 1 } else { 16 };
+    let mut opened = Err(anyhow::anyhow!("no queue number tried"));
+    for queue_num in (0..tries).map(|i| first.wrapping_add(i)) {
+        opened = Link::open(args.upstream, delay, queue_num).map(|l| (l, queue_num));
+        if opened.is_ok() {
+            break;
+        }
+    }
+    let (mut link, queue_num) = opened?;
     let stats = Arc::new(Stats::default());
     if let Some(path) = args.stats.clone() {
-        let s = stats.clone();
+        let (s, path) = (stats.clone(), path.clone());
         write_stats(&path, &s, delay).context("write --stats")?;
         std::thread::spawn(move || loop {
             std::thread::sleep(Duration::from_millis(200));
+            s.dropped.store(queue_drops(queue_num), Ordering::Relaxed);
             let _ = write_stats(&path, &s, delay);
         });
     }
     println!("listening 127.0.0.1:{}", link.port);
     std::io::stdout().flush()?;
     let stdin = std::io::stdin();
-    link.run(&stats, args.exit_with_stdin.then(|| stdin.as_raw_fd()))
+    let stop = Stop {
+        eof: args.exit_with_stdin.then(|| stdin.as_raw_fd()),
+        signal: Some(signals.as_raw_fd()),
+    };
+    let result = link.run(&stats, stop);
+    stats
+        .dropped
+        .store(queue_drops(queue_num), Ordering::Relaxed);
+    if let Some(path) = &args.stats {
+        write_stats(path, &stats, delay).context("write --stats")?;
+    }
+    result
 }
 
 #[cfg(test)]
@@ -617,7 +800,13 @@ mod tests {
             let s = stats.clone();
             let thread = std::thread::spawn(move || {
                 let r = r;
-                link.run(&s, Some(r.as_raw_fd()))
+                link.run(
+                    &s,
+                    Stop {
+                        eof: Some(r.as_raw_fd()),
+                        signal: None,
+                    },
+                )
             });
             Self {
                 port,
@@ -691,12 +880,28 @@ mod tests {
         let up = link.stats.up.bytes.load(Ordering::Relaxed);
         let down = link.stats.down.bytes.load(Ordering::Relaxed);
         assert_eq!((up, down), (500 + 3_000_000, 500 + 3_000_000));
-        assert_eq!(link.stats.dropped.load(Ordering::Relaxed), 0);
+        // The kernel dropped none of the queue's packets (a drop would be retransmitted, so
+        // the bytes above would not show it).
+        assert_eq!(queue_drops(64_001), 0);
         link.stop();
         assert_eq!(rules_left(&link.tag), 0);
 
         // Its rules gone, the port no longer reaches the upstream.
         assert!(TcpStream::connect(("127.0.0.1", link.port)).is_err());
+
+        // A link stopped while it holds a packet lets it go at its due time (and counts it)
+        // before it closes its queue, which would drop it.
+        let mut link = Running::start(upstream, 300, 64_002);
+        let mut c = TcpStream::connect(("127.0.0.1", link.port)).unwrap();
+        round_trip(&mut c, 1);
+        c.write_all(&[2; 100]).unwrap();
+        std::thread::sleep(Duration::from_millis(100)); // read and held by now, not yet due
+        link.stop();
+        assert_eq!(link.stats.up.bytes.load(Ordering::Relaxed), 200);
+        let mut got = [0u8; 100];
+        c.read_exact(&mut got).unwrap();
+        assert_eq!(got, [2; 100]);
+        assert_eq!(rules_left(&link.tag), 0);
     }
 
     #[test]
