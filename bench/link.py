@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -45,8 +46,10 @@ _leftovers_removed = False
 
 
 def _is_queue_link(pid: str) -> bool:
+    """Whether `pid` is a latency_queue still running (its tests' binary is
+    `latency_queue-HASH`, its name cut to 15 characters)."""
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() == "latency_queue"
+        return Path(f"/proc/{pid}/comm").read_text().strip().startswith("latency_queue")
     except OSError:
         return False
 
@@ -59,8 +62,9 @@ def remove_leftover_queue_rules() -> None:
         out = subprocess.run(["iptables-save", "-t", table], capture_output=True, text=True,
                              check=True).stdout
         for line in out.splitlines():
-            if line.startswith("-A ") and "outbox-bench-queue-" in line:
-                pid = line.split("outbox-bench-queue-", 1)[1].split()[0]
+            m = re.search(r"outbox-bench-queue-(\d+)", line)
+            if line.startswith("-A ") and m:
+                pid = m.group(1)
                 if not _is_queue_link(pid):
                     log(f"  removing a leftover rule of latency_queue {pid}: {line}")
                     subprocess.run(["iptables", "-w", "-t", table, "-D"] + line.split()[1:],
@@ -75,6 +79,7 @@ class Proxy:
     def __init__(self, env: Env, name: str, upstream: str, delay_ms: float):
         global _leftovers_removed
         self.delay_ms = delay_ms
+        self.name = name
         self.stats_path = env.workdir / f"proxy-{name}.json"
         binary = env.a.latency_proxy
         self.queue = env.a.link_via == "queue"
@@ -120,6 +125,10 @@ class Proxy:
             self.p.wait()
             if self.queue:
                 remove_leftover_queue_rules()
+        if self.p.returncode != 0:
+            # A link that failed (a refused verdict, say) delayed wrongly: its run is void.
+            raise RuntimeError(f"{self.name} exited with {self.p.returncode}; see "
+                               f"proxy-{self.name}.log")
 
 
 def upstream_of(url: str) -> str:

@@ -5,11 +5,11 @@
 //! and through a process that must read and write it: on two cores that CPU comes out of what is
 //! being measured. Here the client connects to a port of 127.0.0.1 that iptables redirects to
 //! `--upstream` (`nat`, `REDIRECT`), the connection is marked (`mangle`, `CONNMARK`), and every
-//! packet of a marked connection, both directions, goes to a netfilter queue (`NFQUEUE`). This
-//! program holds each packet there for `--delay-ms` from the moment it read it, then lets it go on
-//! its way (one batch verdict for every packet that came due): one TCP connection end to end, the
-//! bytes never copied to user space (it asks for the first 64 bytes of each packet, for its ports
-//! and length), packets never reordered. Without `netem` (this kernel has none, nor `fq` or
+//! packet of a marked connection, both directions, goes to a netfilter queue (`NFQUEUE`) as it
+//! arrives (`INPUT`). This program holds each packet there for `--delay-ms` from the moment it read
+//! it, then lets it go on its way (one batch verdict for every packet that came due, in the order
+//! they came): one TCP connection end to end, the payload not copied to user space beyond the
+//! first 128 bytes of each packet (it reads the headers, for the ports and length). Without `netem` (this kernel has none, nor `fq` or
 //! `etf`), it is the nearest thing to a wire with latency that this machine has.
 //!
 //! A netlink socket of its own, not the `nfq` crate: that crate hides its socket, so a program
@@ -31,7 +31,7 @@ use anyhow::{bail, ensure, Context};
 use clap::Parser;
 use std::collections::VecDeque;
 use std::io::Write;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::process::Command;
@@ -80,6 +80,7 @@ mod nfq {
     pub const A_CFG_FLAGS: u16 = 5;
     pub const CMD_BIND: u8 = 1;
     pub const COPY_PACKET: u8 = 2;
+    pub const F_FAIL_OPEN: u32 = 1;
     pub const F_GSO: u32 = 4;
     pub const NF_ACCEPT: u32 = 1;
 }
@@ -203,7 +204,7 @@ fn parse_packet(attrs: &[u8]) -> Option<Packet> {
         rest = &rest[((len + 3) & !3).min(rest.len())..];
     }
     let (id, ip) = (id?, ip?);
-    if ip.len() < 20 || ip[0] >> 4 != 4 {
+    if ip.len() < 20 || ip[0] >> 4 != 4 || ip[9] != libc::IPPROTO_TCP as u8 {
         return None;
     }
     let header = ((ip[0] & 0x0f) as usize) * 4;
@@ -354,7 +355,7 @@ impl Queue {
 
     /// Every packet message waiting on the socket, without blocking, each with the time its
     /// `recv` returned. A packet this program cannot read (not TCP over IPv4, or headers past
-    /// the copy) is passed with `None` after its id: it is let go at once. A full socket buffer
+    /// the copy) is passed as `Err(id)`: it is delayed like the others, and not counted. A full socket buffer
     /// (ENOBUFS) is not an error: the kernel counts the packets it dropped (`queue_drops`).
     fn drain(&mut self, mut each: impl FnMut(Result<Packet, u32>, Instant)) -> anyhow::Result<()> {
         loop {
@@ -395,6 +396,18 @@ impl Queue {
                 at += (len + 3) & !3;
             }
         }
+    }
+
+    /// From now on the kernel lets each new packet of the queue go at once instead of queueing
+    /// it (fail-open, with room for none), so that the queue is empty when its rule goes. No
+    /// acknowledgement is asked: a refusal comes back as an error to `drain`.
+    fn pass_new_packets(&self) -> std::io::Result<()> {
+        self.send(
+            Message::new(nfq::MSG_CONFIG, self.num, false)
+                .attr(nfq::A_CFG_QUEUE_MAXLEN, &0u32.to_be_bytes())
+                .attr(nfq::A_CFG_FLAGS, &nfq::F_FAIL_OPEN.to_be_bytes())
+                .attr(nfq::A_CFG_MASK, &nfq::F_FAIL_OPEN.to_be_bytes()),
+        )
     }
 
     /// Lets every packet up to `id` go on.
@@ -573,6 +586,32 @@ fn stop_signals() -> anyhow::Result<OwnedFd> {
     }
 }
 
+/// A TCP socket bound to a free port of 127.0.0.1, not listening, and its port.
+fn reserve_port() -> std::io::Result<(OwnedFd, u16)> {
+    // SAFETY: plain socket calls on a descriptor this function owns; `addr` and `len` outlive
+    // the calls that take them.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fd = OwnedFd::from_raw_fd(fd);
+        let mut addr: libc::sockaddr_in = std::mem::zeroed();
+        addr.sin_family = libc::AF_INET as libc::sa_family_t;
+        addr.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let p = &mut addr as *mut libc::sockaddr_in as *mut libc::sockaddr;
+        if libc::bind(fd.as_raw_fd(), p, len) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let mut got = len;
+        if libc::getsockname(fd.as_raw_fd(), p, &mut got) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok((fd, u16::from_be(addr.sin_port)))
+    }
+}
+
 /// A link: its rules, its queue, and the port that clients connect to.
 struct Link {
     port: u16,
@@ -581,7 +620,9 @@ struct Link {
     queue: Queue,
     /// Removed first when the link stops, while the queue still lets go what it holds.
     rules: Option<Rules>,
-    _reserved: TcpListener,
+    /// A bound socket that does not listen: it keeps the port, and a connection to it once the
+    /// redirect is gone is refused instead of left hanging.
+    _reserved: OwnedFd,
 }
 
 /// How long a stopping link waits for more packets once it holds none.
@@ -597,8 +638,7 @@ impl Link {
         );
         // The port clients connect to: held, so nothing else takes it; the redirect moves each
         // connection to the upstream before it could reach this listener.
-        let reserved = TcpListener::bind("127.0.0.1:0").context("reserve a port")?;
-        let port = reserved.local_addr()?.port();
+        let (reserved, port) = reserve_port().context("reserve a port")?;
         let queue = Queue::bind(queue_num)?;
         let rules = Rules::install(port, upstream, queue_num)?;
         Ok(Self {
@@ -611,19 +651,24 @@ impl Link {
         })
     }
 
-    /// Holds and releases packets until `stop`. Then it takes no new connections, goes on
-    /// delaying the packets of those it carries until none came for `STOP_GRACE` (at most
-    /// `STOP_LIMIT`), and only then removes its queueing rule: removing it drops the packets the
-    /// queue holds (seen here: their verdicts then fail with ENOENT). On an error the rules are
-    /// removed and every packet held is let go at once.
+    /// Holds and releases packets until `stop`, then stops in three steps:
+    ///
+    /// 1. It takes no new connections (the mark and redirect rules go) and goes on delaying the
+    ///    packets of those it carries until none came or left for `STOP_GRACE` (at most
+    ///    `STOP_LIMIT`).
+    /// 2. The kernel then lets new packets go at once (`pass_new_packets`); those already
+    ///    queued are read and, with those held, let go at their due times.
+    /// 3. Only with the queue empty does the queueing rule go: removing it while packets were
+    ///    queued dropped them (seen here: their verdicts failed with ENOENT; the last rule that
+    ///    uses conntrack takes its hooks away, and the kernel then flushes every queue).
+    ///
+    /// On an error the rules are removed and every packet held is let go at once.
     fn run(&mut self, stats: &Stats, stop: Stop) -> anyhow::Result<()> {
         precise_waits();
         let mut held: VecDeque<Held> = VecDeque::new();
         let result = self.hold_and_release(stats, stop, &mut held);
-        if result.is_err() {
-            if let Some(h) = held.back() {
-                let _ = self.queue.accept_through(h.id);
-            }
+        if let Some(h) = held.back() {
+            let _ = self.queue.accept_through(h.id);
         }
         self.rules = None;
         result
@@ -635,23 +680,41 @@ impl Link {
         stop: Stop,
         held: &mut VecDeque<Held>,
     ) -> anyhow::Result<()> {
+        enum Phase {
+            Running,
+            Stopping { since: Instant },
+            Closing,
+        }
         let (upstream, delay) = (self.upstream_port, self.delay);
-        let mut stopping: Option<Instant> = None;
+        let mut phase = Phase::Running;
+        let mut last_activity = Instant::now();
         let mut unreadable = 0u64;
         loop {
-            let timeout = match held.front() {
-                Some(h) => Some(h.due.saturating_duration_since(Instant::now())),
-                None if stopping.is_some() => Some(STOP_GRACE),
-                None => None,
-            };
-            let before = held.len();
-            if stopping.is_none() && stop.wait(self.queue.fd.as_raw_fd(), timeout) {
-                stopping = Some(Instant::now());
-                if let Some(rules) = self.rules.as_mut() {
-                    rules.close_entry();
+            let now = Instant::now();
+            let timeout = match (held.front(), &phase) {
+                (Some(h), _) => Some(h.due.saturating_duration_since(now)),
+                (None, Phase::Running) => None,
+                (None, Phase::Stopping { .. }) => {
+                    Some((last_activity + STOP_GRACE).saturating_duration_since(now))
                 }
-            } else if stopping.is_some() {
-                Stop::default().wait(self.queue.fd.as_raw_fd(), timeout);
+                (None, Phase::Closing) => Some(Duration::ZERO),
+            };
+            let fd = self.queue.fd.as_raw_fd();
+            match phase {
+                Phase::Running => {
+                    if stop.wait(fd, timeout) {
+                        phase = Phase::Stopping {
+                            since: Instant::now(),
+                        };
+                        last_activity = Instant::now();
+                        if let Some(rules) = self.rules.as_mut() {
+                            rules.close_entry();
+                        }
+                    }
+                }
+                _ => {
+                    Stop::default().wait(fd, timeout);
+                }
             }
             self.queue.drain(|p, read_at| {
                 let (id, up, bytes) = match p {
@@ -667,6 +730,7 @@ impl Link {
                         (id, None, 0)
                     }
                 };
+                last_activity = read_at;
                 held.push_back(Held {
                     id,
                     due: read_at + delay,
@@ -687,12 +751,21 @@ impl Link {
             }
             if let Some(id) = last {
                 self.queue.accept_through(id).context("verdict")?;
+                // What it let go may be answered: the answer is delayed too.
+                last_activity = Instant::now();
             }
-            if let Some(since) = stopping {
-                let quiet = held.is_empty() && before == 0 && last.is_none();
-                if quiet || since.elapsed() > STOP_LIMIT {
-                    break;
+            match phase {
+                Phase::Stopping { since } => {
+                    let quiet = held.is_empty() && last_activity.elapsed() >= STOP_GRACE;
+                    if quiet || since.elapsed() > STOP_LIMIT {
+                        self.queue.pass_new_packets().context("fail-open")?;
+                        phase = Phase::Closing;
+                    }
                 }
+                // New packets pass at once now: once the last queued one has been read and let
+                // go, the queue is empty.
+                Phase::Closing if held.is_empty() => break,
+                _ => {}
             }
         }
         if unreadable > 0 {
@@ -714,7 +787,7 @@ fn main() -> anyhow::Result<()> {
     let delay = Duration::from_secs_f64(args.delay_ms / 1e3);
     // Before any other thread starts, so that every thread has them blocked.
     let signals = stop_signals()?;
-    // A queue number another process holds is refused (EBUSY): the next one is tried.
+    // A queue number another process holds is refused (EPERM or EBUSY): the next one is tried.
     let first = args
         .queue_num
         .unwrap_or(1000 + (std::process::id() % 60_000) as u16);
@@ -758,7 +831,7 @@ fn main() -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use std::io::Read;
-    use std::net::{Shutdown, TcpStream};
+    use std::net::{Shutdown, TcpListener, TcpStream};
 
     /// An upstream that echoes what it reads, on each connection.
     fn echo_server() -> SocketAddr {
@@ -891,16 +964,25 @@ mod tests {
 
         // A link stopped while it holds a packet lets it go at its due time (and counts it)
         // before it closes its queue, which would drop it.
+        // Its reply, which comes while it stops, is delayed as well: the write's round trip
+        // takes both delays.
         let mut link = Running::start(upstream, 300, 64_002);
         let mut c = TcpStream::connect(("127.0.0.1", link.port)).unwrap();
         round_trip(&mut c, 1);
+        let sent_at = Instant::now();
         c.write_all(&[2; 100]).unwrap();
         std::thread::sleep(Duration::from_millis(100)); // read and held by now, not yet due
         link.stop();
-        assert_eq!(link.stats.up.bytes.load(Ordering::Relaxed), 200);
         let mut got = [0u8; 100];
         c.read_exact(&mut got).unwrap();
         assert_eq!(got, [2; 100]);
+        assert!(
+            sent_at.elapsed() >= Duration::from_millis(600),
+            "{:?}",
+            sent_at.elapsed()
+        );
+        assert_eq!(link.stats.up.bytes.load(Ordering::Relaxed), 200);
+        assert_eq!(link.stats.down.bytes.load(Ordering::Relaxed), 200);
         assert_eq!(rules_left(&link.tag), 0);
     }
 
@@ -942,5 +1024,10 @@ mod tests {
         let ip_at = v6.len() - 8 - ip.len();
         v6[ip_at] = 0x60;
         assert_eq!(parse_packet(&v6), None);
+        // ICMP about the connection (it carries the connection's mark): not read as TCP.
+        let mut icmp = attrs.0.clone();
+        icmp[ip_at + 9] = libc::IPPROTO_ICMP as u8;
+        assert_eq!(parse_packet(&icmp), None);
+        assert_eq!(packet_id(&icmp), Some(258));
     }
 }

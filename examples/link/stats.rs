@@ -83,8 +83,14 @@ impl Stats {
     }
 }
 
+/// Writes the counters to `path` whole (through a file of the calling thread's own, renamed over
+/// it), so that a reader never sees half of them and two writers never share the temporary.
 pub fn write_stats(path: &Path, stats: &Stats, delay: Duration) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
+    let thread = format!("{:?}", std::thread::current().id());
+    let tmp = path.with_extension(format!(
+        "tmp-{}",
+        thread.trim_matches(|c: char| !c.is_ascii_digit())
+    ));
     std::fs::write(&tmp, stats.json(delay).to_string())?;
     std::fs::rename(tmp, path)
 }
