@@ -322,26 +322,14 @@ fn main() -> anyhow::Result<()> {
 }
 
 #[cfg(test)]
+#[path = "link/echo.rs"]
+mod echo;
+
+#[cfg(test)]
 mod tests {
+    use super::echo::{echo_server, echoed};
     use super::stats::{bucket_of, BUCKETS};
     use super::*;
-
-    /// An upstream that echoes what it reads.
-    fn echo_server() -> SocketAddr {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        std::thread::spawn(move || {
-            for s in l.incoming() {
-                let mut s = s.unwrap();
-                let mut r = s.try_clone().unwrap();
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut r, &mut s);
-                    let _ = s.shutdown(Shutdown::Write);
-                });
-            }
-        });
-        addr
-    }
 
     fn proxy(upstream: SocketAddr, delay_ms: f64, window_bytes: usize) -> SocketAddr {
         proxy_with_stats(upstream, delay_ms, window_bytes).0
@@ -451,17 +439,9 @@ mod tests {
     fn a_small_window_still_carries_everything_and_the_end_of_stream() {
         for delay_ms in [0.0, 2.0] {
             let addr = proxy(echo_server(), delay_ms, 4096);
-            let mut c = TcpStream::connect(addr).unwrap();
+            let c = TcpStream::connect(addr).unwrap();
             let sent: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
-            let mut r = c.try_clone().unwrap();
-            let reader = std::thread::spawn(move || {
-                let mut got = Vec::new();
-                r.read_to_end(&mut got).unwrap();
-                got
-            });
-            c.write_all(&sent).unwrap();
-            c.shutdown(Shutdown::Write).unwrap();
-            assert_eq!(reader.join().unwrap(), sent, "delay {delay_ms} ms");
+            assert_eq!(echoed(&c, &sent), sent, "delay {delay_ms} ms");
         }
     }
 

@@ -828,27 +828,15 @@ fn main() -> anyhow::Result<()> {
 }
 
 #[cfg(test)]
+#[path = "link/echo.rs"]
+mod echo;
+
+#[cfg(test)]
 mod tests {
+    use super::echo::{echo_server, echoed};
     use super::*;
     use std::io::Read;
-    use std::net::{Shutdown, TcpListener, TcpStream};
-
-    /// An upstream that echoes what it reads, on each connection.
-    fn echo_server() -> SocketAddr {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        std::thread::spawn(move || {
-            for s in l.incoming() {
-                let mut s = s.unwrap();
-                std::thread::spawn(move || {
-                    let mut w = s.try_clone().unwrap();
-                    let _ = std::io::copy(&mut s, &mut w);
-                    let _ = w.shutdown(Shutdown::Write);
-                });
-            }
-        });
-        addr
-    }
+    use std::net::TcpStream;
 
     /// A running link, stopped (its rules removed) by closing the pipe's write end.
     struct Running {
@@ -940,15 +928,7 @@ mod tests {
         }
         // A large stream arrives whole and in order.
         let sent: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
-        let mut r = c.try_clone().unwrap();
-        let reader = std::thread::spawn(move || {
-            let mut got = Vec::new();
-            r.read_to_end(&mut got).unwrap();
-            got
-        });
-        c.write_all(&sent).unwrap();
-        c.shutdown(Shutdown::Write).unwrap();
-        assert_eq!(reader.join().unwrap(), sent);
+        assert_eq!(echoed(&c, &sent), sent);
         assert_eq!(link.stats.connections.load(Ordering::Relaxed), 1);
         let up = link.stats.up.bytes.load(Ordering::Relaxed);
         let down = link.stats.down.bytes.load(Ordering::Relaxed);
